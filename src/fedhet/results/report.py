@@ -1,0 +1,257 @@
+"""Load run folders, group seeds of the same experiment, and summarise them in mean ± std tables.
+
+Two runs belong to one group when their resolved configs are equal apart from the seed and the run's name and
+output folder. A group's label is the algorithm name plus the settings that tell the groups apart
+(`fedprox mu=0.1`). Standard deviations are over seeds, with Bessel's correction (ddof=1), and are left out
+for a single seed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from fedhet.errors import FedhetError
+from fedhet.results.store import read_json, read_metrics
+
+IGNORED_KEYS = ("run.seed", "run.name", "run.out_dir")
+MISSING = "—"
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict
+    metrics: list[dict]
+    summary: dict = field(default_factory=dict)
+
+    def values(self, metric: str) -> list[tuple[int, float]]:
+        """(round, value) for every evaluation that recorded `metric`."""
+        return [(r["round"], r[metric]) for r in self.metrics if r.get(metric) is not None]
+
+    def final(self, metric: str) -> float | None:
+        values = self.values(metric)
+        return values[-1][1] if values else None
+
+    def best(self, metric: str) -> float | None:
+        values = [v for _, v in self.values(metric) if not math.isnan(v)]
+        if not values:
+            return None
+        return min(values) if "loss" in metric else max(values)
+
+    @property
+    def last_round(self) -> int:
+        return self.metrics[-1]["round"] if self.metrics else 0
+
+
+@dataclass
+class Group:
+    label: str
+    runs: list[Run]
+    settings: dict[str, Any]  # the flattened config shared by all runs, without IGNORED_KEYS
+
+
+@dataclass
+class Row:
+    label: str
+    metric: str
+    seeds: int
+    final_mean: float | None
+    final_std: float | None
+    best_mean: float | None
+    client_dist_acc: float | None
+    client_acc_worst10: float | None
+    personal_acc_macro: float | None
+    rounds: tuple[int, int]  # (fewest, most) rounds reached by a seed
+
+
+def load_runs(paths: list[str | Path]) -> list[Run]:
+    """Runs in the given folders: each path is a run folder or any folder above run folders."""
+    folders: list[Path] = []
+    for path in map(Path, paths):
+        if not path.exists():
+            raise FedhetError(f"{path} does not exist")
+        found = sorted(c.parent for c in path.rglob("config.json") if (c.parent / "metrics.jsonl").exists())
+        if not found:
+            raise FedhetError(f"no runs (config.json + metrics.jsonl) under {path}")
+        folders += [f for f in found if f not in folders]
+    return [load_run(folder) for folder in folders]
+
+
+def load_run(folder: Path) -> Run:
+    summary_path = folder / "summary.json"
+    summary = read_json(summary_path) if summary_path.exists() else {}
+    return Run(folder, read_json(folder / "config.json"), read_metrics(folder / "metrics.jsonl"), summary)
+
+
+def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists and other leaves are kept as they are."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def group_runs(runs: list[Run]) -> list[Group]:
+    """Groups of runs that differ only by seed, in the order their first run appears."""
+    groups: dict[str, Group] = {}
+    for run in runs:
+        settings = {k: v for k, v in flatten(run.config).items() if k not in IGNORED_KEYS}
+        key = json.dumps(settings, sort_keys=True, default=str)
+        if key not in groups:
+            groups[key] = Group("", [], settings)
+        groups[key].runs.append(run)
+    result = list(groups.values())
+    for group, label in zip(result, make_labels([g.settings for g in result]), strict=True):
+        group.label = label
+    return result
+
+
+def make_labels(settings: list[dict[str, Any]]) -> list[str]:
+    """Algorithm name plus the settings whose values differ between groups; unique and short."""
+    keys = differing_keys(settings, presence_counts=False)
+    labels = [label_for(s, keys) for s in settings]
+    if len(set(labels)) < len(labels):
+        keys = differing_keys(settings, presence_counts=True)
+        labels = [label_for(s, keys) for s in settings]
+    return dedupe(labels)
+
+
+def differing_keys(settings: list[dict[str, Any]], presence_counts: bool) -> list[str]:
+    """Keys whose values differ across groups, algorithm hyper-parameters first.
+
+    Without `presence_counts`, a key only some groups have (FedProx's mu next to FedAvg) counts only if those
+    groups disagree on it: the algorithm name already tells such groups apart.
+    """
+    order = list(dict.fromkeys(k for s in settings for k in s))
+    keys = []
+    for key in order:
+        values = {json.dumps(s[key], sort_keys=True, default=str) for s in settings if key in s}
+        missing = any(key not in s for s in settings)
+        if len(values) > 1 or (presence_counts and missing):
+            keys.append(key)
+    keys = [k for k in keys if k != "algorithm.name"]
+    return sorted(keys, key=lambda k: not k.startswith("algorithm."))
+
+
+def label_for(settings: dict[str, Any], keys: list[str]) -> str:
+    names = short_names(keys)
+    parts = [str(settings.get("algorithm.name", "run"))]
+    parts += [f"{names[k]}={format_value(settings[k])}" for k in keys if k in settings]
+    return " ".join(parts)
+
+
+def short_names(keys: list[str]) -> dict[str, str]:
+    """Shortest dotted suffix of each key that no other key shares: `lr`, or `train.lr` and `server.lr`."""
+    names = {}
+    for key in keys:
+        parts = key.split(".")
+        for n in range(1, len(parts) + 1):
+            suffix = ".".join(parts[-n:])
+            if not any(other != key and (other == suffix or other.endswith("." + suffix)) for other in keys):
+                break
+        names[key] = suffix
+    return names
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(format_value(v) for v in value) + "]"
+    return str(value)
+
+
+def dedupe(labels: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    result = []
+    for label in labels:
+        seen[label] = seen.get(label, 0) + 1
+        result.append(label if seen[label] == 1 else f"{label} ({seen[label]})")
+    return result
+
+
+def summary_table(groups: list[Group], metric: str = "test_acc") -> list[Row]:
+    return [summary_row(group, metric) for group in groups]
+
+
+def summary_row(group: Group, metric: str) -> Row:
+    runs = group.runs
+    finals = [v for v in (r.final(metric) for r in runs) if v is not None]
+    rounds = [r.last_round for r in runs]
+    return Row(
+        label=group.label,
+        metric=metric,
+        seeds=len(runs),
+        final_mean=mean(finals),
+        final_std=statistics.stdev(finals) if len(finals) > 1 else None,
+        best_mean=mean([r.best(metric) for r in runs]),
+        client_dist_acc=mean([r.final("client_dist_acc") for r in runs]),
+        client_acc_worst10=mean([r.final("client_acc_worst10") for r in runs]),
+        personal_acc_macro=mean([r.final("personal_acc_macro") for r in runs]),
+        rounds=(min(rounds), max(rounds)),
+    )
+
+
+def mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
+def table_cells(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
+    """Header and formatted cells shared by the rich and markdown renderings."""
+    metric = rows[0].metric if rows else "test_acc"
+    header = ["run", "seeds", f"final {metric}", f"best {metric}", "client-dist acc", "worst-10% acc"]
+    personal = any(r.personal_acc_macro is not None for r in rows)
+    if personal:
+        header.append("personal acc (macro)")
+    header.append("rounds")
+    cells = []
+    for r in rows:
+        line = [r.label, str(r.seeds), fmt(r.final_mean, metric, r.final_std), fmt(r.best_mean, metric)]
+        line += [fmt(r.client_dist_acc, "acc"), fmt(r.client_acc_worst10, "acc")]
+        if personal:
+            line.append(fmt(r.personal_acc_macro, "acc"))
+        low, high = r.rounds
+        line.append(str(high) if low == high else f"{low}–{high}")
+        cells.append(line)
+    return header, cells
+
+
+def fmt(value: float | None, metric: str, std: float | None = None) -> str:
+    """Accuracies as percentages with two decimals, other metrics with four significant digits."""
+    if value is None:
+        return MISSING
+    scale, spec = (100.0, ".2f") if "acc" in metric else (1.0, ".4g")
+    text = format(value * scale, spec)
+    return text if std is None else f"{text} ± {format(std * scale, spec)}"
+
+
+def print_table(rows: list[Row], console: Console | None = None, title: str | None = None) -> None:
+    header, cells = table_cells(rows)
+    table = Table(title=title)
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=i > 0)
+    for line in cells:
+        table.add_row(*line)
+    (console or Console()).print(table)
+
+
+def to_markdown(rows: list[Row]) -> str:
+    header, cells = table_cells(rows)
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in line) + " |" for line in cells]
+    return "\n".join(lines) + "\n"

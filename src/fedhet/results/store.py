@@ -1,0 +1,126 @@
+"""Durable run files: an append-only metrics log and atomically replaced JSON documents.
+
+A run can be killed at any moment (OOM, pre-emption, Ctrl-C). Each metrics record is flushed and fsynced on
+append, so at most the line being written is lost; that torn line is skipped with a warning when read, and cut
+off before the next append so it never glues onto a good record. JSON files are written to a temporary file in
+the same folder and renamed over the old one, so readers see the old or the new document, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+from fedhet.errors import FedhetError
+
+
+class MetricsLog:
+    """Appends one JSON object per evaluation to a `metrics.jsonl` file."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if _has_torn_tail(self.path):
+            warnings.warn(f"{self.path}: dropping a torn last line left by a crash", stacklevel=2)
+            _rewrite_lines(self.path, read_metrics(self.path))
+
+    def append(self, record: dict) -> None:
+        if "round" not in record:
+            raise ValueError("a metrics record needs a 'round'")
+        line = json.dumps(record, default=_plain) + "\n"
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """All records of a metrics file ([] if it does not exist); a torn last line is skipped with a warning."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if number < len(lines):
+                raise FedhetError(f"{path}:{number}: corrupt metrics record ({exc.msg})") from None
+            warnings.warn(f"{path}: skipping a torn last line (a crash mid-write?)", stacklevel=2)
+    return records
+
+
+def truncate_after(path: str | Path, round: int) -> int:
+    """Atomically keep only the records with `round <= round` (used on resume); returns how many were kept."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    kept = [r for r in read_metrics(path) if r["round"] <= round]
+    _rewrite_lines(path, kept)
+    return len(kept)
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> None:
+    path = Path(path)
+    text = json.dumps(obj, indent=2, default=_plain) + "\n"
+    _replace_atomic(path, text)
+
+
+def read_json(path: str | Path) -> Any:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def _rewrite_lines(path: Path, records: list[dict]) -> None:
+    _replace_atomic(path, "".join(json.dumps(r, default=_plain) + "\n" for r in records))
+
+
+def _replace_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    # Makes the rename itself durable on POSIX; directories cannot be opened this way on Windows.
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _has_torn_tail(path: Path) -> bool:
+    if not path.exists() or path.stat().st_size == 0:
+        return False
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
+def _plain(value: Any) -> Any:
+    """JSON fallback for numpy and torch scalars/arrays that end up in records."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"cannot store {type(value).__name__} in a JSON record")
