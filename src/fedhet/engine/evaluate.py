@@ -1,0 +1,101 @@
+"""Evaluation protocols: global accuracy, accuracy on each client's distribution, fairness across clients."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedhet.data.federated import FederatedDataset
+
+
+@dataclass
+class EvalStats:
+    loss_sum: float
+    correct: np.ndarray  # per class
+    count: np.ndarray  # per class
+
+    @property
+    def n(self) -> int:
+        return int(self.count.sum())
+
+    @property
+    def acc(self) -> float:
+        return float(self.correct.sum() / max(self.n, 1))
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.n, 1)
+
+    def per_class_acc(self) -> np.ndarray:
+        """Accuracy per class; NaN for classes absent from the test data."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.count > 0, self.correct / self.count, np.nan)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int, batch_size: int) -> EvalStats:
+    was_training = model.training
+    model.eval()
+    loss_sum = 0.0
+    correct = torch.zeros(num_classes, dtype=torch.float64)
+    for start in range(0, len(y), batch_size):
+        xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+        logits = model(xb)
+        loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
+        hit = (logits.argmax(1) == yb).to(torch.float64)
+        correct.index_add_(0, yb.cpu(), hit.cpu())
+    count = torch.bincount(y.cpu(), minlength=num_classes).numpy().astype(np.float64)
+    model.train(was_training)
+    return EvalStats(loss_sum, correct.numpy(), count)
+
+
+def client_distribution_acc(per_class_acc: np.ndarray, label_dist: np.ndarray) -> np.ndarray:
+    """acc_m = sum_c pi_c^m acc_c for every client m (FedACD Table 2 protocol, notes/fedacd.md 4.5).
+
+    This is the expected accuracy on a test set drawn with client m's training label proportions. Classes absent
+    from the test set are left out and the client's proportions renormalised over the rest.
+    """
+    known = ~np.isnan(per_class_acc)
+    pi = label_dist[:, known]
+    pi = pi / np.maximum(pi.sum(axis=1, keepdims=True), 1e-12)
+    return pi @ per_class_acc[known]
+
+
+def fairness(acc: np.ndarray, sizes: np.ndarray) -> dict[str, float]:
+    """Spread of per-client accuracies: mean, std, min, max, mean of the worst 10%, smallest/largest client."""
+    k = max(1, math.ceil(0.1 * len(acc)))
+    return {
+        "client_acc_mean": float(acc.mean()),
+        "client_acc_std": float(acc.std()),
+        "client_acc_min": float(acc.min()),
+        "client_acc_max": float(acc.max()),
+        "client_acc_worst10": float(np.sort(acc)[:k].mean()),
+        "acc_smallest_client": float(acc[int(np.argmin(sizes))]),
+        "acc_largest_client": float(acc[int(np.argmax(sizes))]),
+    }
+
+
+def evaluate_global(model: nn.Module, fed: FederatedDataset, batch_size: int) -> dict[str, float]:
+    """All global-model metrics of one evaluation round."""
+    stats = evaluate(model, fed.x_test, fed.y_test, fed.num_classes, batch_size)
+    per_class = stats.per_class_acc()
+    dist_acc = client_distribution_acc(per_class, fed.label_distribution())
+    out = {"test_acc": stats.acc, "test_loss": stats.loss, "client_dist_acc": float(dist_acc.mean())}
+    if fed.has_local_test:
+        # Each client's own held-out split: the exact per-client accuracy of the global model.
+        # A client whose split is empty falls back to its distribution-weighted accuracy.
+        per_client = np.array(
+            [
+                evaluate(model, c.x_test, c.y_test, fed.num_classes, batch_size).acc if len(c.y_test) else dist_acc[i]
+                for i, c in enumerate(fed.clients)
+            ]
+        )
+    else:
+        per_client = dist_acc
+    out.update(fairness(per_client, fed.sizes))
+    return out

@@ -1,0 +1,106 @@
+"""The one shared local-training loop. Algorithms change it through hooks (see ``fedhet.algorithms.base``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from fedhet.algorithms.base import Algorithm, ClientContext, Reply
+    from fedhet.engine.flat import FlatModel
+
+
+class FlatSGD:
+    """SGD with momentum, Nesterov and weight decay on a flat parameter vector (torch.optim.SGD's semantics).
+
+    The momentum buffer starts empty every local round, as in the official code of every method we follow.
+    """
+
+    def __init__(
+        self,
+        flat: FlatModel,
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ) -> None:
+        self.flat = flat
+        self.lr = lr
+        self.momentum = momentum
+        self.weight_decay = weight_decay
+        self.nesterov = nesterov
+        self.buf: torch.Tensor | None = None
+
+    def direction(self) -> torch.Tensor:
+        """The step direction d such that the update is w <- w - lr * d."""
+        g = self.flat.grad
+        if self.weight_decay:
+            g = g.add(self.flat.params, alpha=self.weight_decay)
+        if not self.momentum:
+            return g
+        if self.buf is None:
+            self.buf = g.clone()
+        else:
+            self.buf.mul_(self.momentum).add_(g)
+        return g.add(self.buf, alpha=self.momentum) if self.nesterov else self.buf
+
+    def step(self) -> None:
+        self.flat.params.sub_(self.direction(), alpha=self.lr)
+
+
+def num_local_steps(n: int, batch_size: int, epochs: float, steps: int | None) -> int:
+    """Local steps of a client with ``n`` samples: a fixed count, or ``epochs`` passes of ceil(n / B) batches."""
+    if steps is not None:
+        return steps
+    return max(1, math.ceil(epochs * math.ceil(n / batch_size)))
+
+
+def batch_indices(n: int, batch_size: int, total_steps: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """Mini-batches of sample indices: a fresh permutation per pass, the last batch of a pass may be short."""
+    taken = 0
+    while taken < total_steps:
+        perm = torch.randperm(n, generator=generator)
+        for start in range(0, n, batch_size):
+            if taken == total_steps:
+                return
+            yield perm[start : start + batch_size]
+            taken += 1
+
+
+def clip_grad_norm(grad: torch.Tensor, max_norm: float) -> None:
+    norm = grad.norm()
+    if norm > max_norm:
+        grad.mul_(max_norm / (norm + 1e-6))
+
+
+def train_locally(algo: Algorithm, ctx: ClientContext) -> Reply:
+    """Load the received model, run the client's local steps with the algorithm's hooks, and build the reply."""
+    msg = ctx.message
+    ctx.flat.set_params(msg.tensors["params"])
+    if "buffers" in msg.tensors:
+        ctx.flat.set_buffers(msg.tensors["buffers"])
+    ctx.lr = float(msg.scalars.get("lr", ctx.train.lr))
+    ctx.model.train()
+    algo.before_local(ctx)
+    t = ctx.train
+    opt = FlatSGD(ctx.flat, ctx.lr, t.momentum, t.weight_decay, t.nesterov)
+    ctx.scratch["optimizer"] = opt
+    total = num_local_steps(len(ctx.data), t.batch_size, t.local_epochs, t.local_steps)
+    for idx in batch_indices(len(ctx.data), t.batch_size, total, ctx.generator):
+        x, y = ctx.data.x[idx], ctx.data.y[idx]
+        if ctx.augment is not None:
+            x = ctx.augment(x, ctx.generator)
+        ctx.flat.zero_grad()
+        loss = algo.local_loss(ctx, x, y)
+        loss.backward()
+        algo.after_backward(ctx)
+        if t.grad_clip is not None:
+            clip_grad_norm(ctx.flat.grad, t.grad_clip)
+        opt.step()
+        ctx.steps += 1
+        ctx.loss_sum += float(loss.detach())
+        algo.after_step(ctx)
+    return algo.after_local(ctx)

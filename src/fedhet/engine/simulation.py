@@ -1,0 +1,345 @@
+"""The single-process simulation: round loop, client sampling, state, evaluation, checkpoints and resume."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from fedhet.algorithms import (
+    ALGORITHMS,
+    Algorithm,
+    ClientContext,
+    Message,
+    Reply,
+    Setup,
+    build_server_optimizer,
+)
+from fedhet.config import Config, validate_params
+from fedhet.data.augment import build_augment
+from fedhet.data.federated import FederatedDataset, federate
+from fedhet.engine.evaluate import evaluate_global
+from fedhet.engine.flat import FlatModel
+from fedhet.engine.state import MemoryStateStore
+from fedhet.errors import ConfigError
+from fedhet.results.store import MetricsLog, read_json, truncate_after, write_json_atomic
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integer parts, so each (run seed, round, client, phase) has its own independent stream."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def resolve_config(cfg: Config) -> dict[str, Any]:
+    """Validate every component's parameters against its registry entry and return the config with all defaults.
+
+    This runs before any data is loaded, so a wrong name or value fails in a second, not after a download.
+    """
+    from fedhet.data.datasets import DATASETS
+    from fedhet.data.partition import PARTITIONERS
+    from fedhet.models import MODELS
+
+    out = cfg.to_dict()
+    for section, registry in (
+        ("dataset", DATASETS),
+        ("partition", PARTITIONERS),
+        ("model", MODELS),
+        ("algorithm", ALGORITHMS),
+        ("server", _server_registry()),
+    ):
+        comp = getattr(cfg, section)
+        entry = registry.get(comp.name)
+        params = comp.params()
+        if entry.params is not None:
+            params = validate_params(entry.params, params, f"{section} ({entry.name})").model_dump(mode="json")
+        elif params:
+            raise ConfigError(f"{section} {entry.name!r} takes no parameters; got {', '.join(params)}")
+        fixed = {k: v for k, v in out[section].items() if k not in comp.params()}
+        out[section] = {**fixed, "name": entry.name, **params}
+    return out
+
+
+def _server_registry():
+    from fedhet.algorithms.server_opt import SERVER_OPTIMIZERS
+
+    return SERVER_OPTIMIZERS
+
+
+def build_federation(cfg: Config) -> FederatedDataset:
+    from fedhet.data.datasets import load_dataset
+    from fedhet.data.partition import partition
+
+    ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir, **cfg.dataset.params())
+    p = cfg.partition
+    seed = cfg.run.seed if p.seed is None else p.seed
+    labels, groups = ds.y_train, ds.groups_train
+    if p.merge_test:
+        labels = np.concatenate([ds.y_train, ds.y_test])
+        if groups is not None and ds.groups_test is not None:
+            groups = np.concatenate([groups, ds.groups_test])
+    parts = partition(p.name, labels, p.num_clients, seed, groups=groups, **p.params())
+    return federate(
+        ds,
+        parts,
+        local_test_fraction=p.local_test_fraction,
+        merged=p.merge_test,
+        seed=seed,
+        device=cfg.run.device,
+    )
+
+
+def build_algorithm(cfg: Config, setup: Setup) -> Algorithm:
+    entry = ALGORITHMS.get(cfg.algorithm.name)
+    algo_cfg = validate_params(entry.params, cfg.algorithm.params(), f"algorithm ({entry.name})")
+    server_opt = build_server_optimizer(cfg.server.name, cfg.server.params())
+    return entry.obj(algo_cfg, setup, server_opt)
+
+
+@dataclass
+class RoundResult:
+    replies: dict[int, Reply]
+    failures: list[dict[str, Any]]
+
+
+class Simulation:
+    """One run: ``Simulation(cfg).run()`` trains, evaluates and writes the run folder."""
+
+    def __init__(self, cfg: Config, fed: FederatedDataset | None = None, console: Console | None = None) -> None:
+        self.cfg = cfg
+        self.resolved = resolve_config(cfg)
+        self.console = console or Console(stderr=True)
+        self.name = cfg.run.name or cfg.default_name()
+        self.run_dir = Path(cfg.run.out_dir) / self.name
+        self.fed = fed if fed is not None else build_federation(cfg)
+        self.device = torch.device(cfg.run.device)
+        from fedhet.models import build_model
+
+        def make_model():
+            return build_model(cfg.model.name, self.fed.input_shape, self.fed.num_classes, **cfg.model.params()).to(
+                self.device
+            )
+
+        torch.manual_seed(derive_seed(cfg.run.seed, 0x40DE1))
+        self.model = make_model()
+        self.flat = FlatModel(self.model)
+        self.setup = Setup(self.fed.num_clients, self.fed.num_classes, cfg.train, make_model, self.device)
+        self.algo = build_algorithm(cfg, self.setup)
+        self.algo.init_server(self.flat.get_params(), self.flat.get_buffers())
+        self.store = MemoryStateStore()
+        self.augment = build_augment(cfg.train.augment)
+        self.ema: float | None = None
+
+    # ------------------------------------------------------------------ sampling and clients
+    def sample_clients(self, rnd: int) -> list[int]:
+        n, k = self.fed.num_clients, self.cfg.clients_per_round()
+        if k >= n:
+            return list(range(n))
+        rng = np.random.default_rng(derive_seed(self.cfg.run.seed, rnd, 0x5A))
+        return sorted(int(c) for c in rng.choice(n, size=k, replace=False))
+
+    def client_order(self, cids: list[int]) -> list[int]:
+        """Order in which clients are run; results never depend on it (tests reverse it)."""
+        return cids
+
+    def run_client(self, cid: int, rnd: int, phase_idx: int, phase: str, msg: Message) -> Reply:
+        seed = derive_seed(self.cfg.run.seed, rnd, cid, phase_idx)
+        torch.manual_seed(seed)  # dropout and any other global-RNG use inside the model
+        ctx = ClientContext(
+            cid=cid,
+            round=rnd,
+            phase=phase,
+            message=msg,
+            data=self.fed.clients[cid],
+            state=self.store.get(cid),
+            model=self.model,
+            flat=self.flat,
+            train=self.cfg.train,
+            generator=torch.Generator().manual_seed(seed),
+            augment=self.augment,
+        )
+        reply = self.algo.client_update(ctx)
+        _check_finite(reply)
+        self.store.put(cid, ctx.state)
+        return reply
+
+    def run_phase(self, rnd: int, phase_idx: int, phase: str, cids: list[int]) -> RoundResult:
+        msgs = self.algo.configure(rnd, cids, phase)
+        replies: dict[int, Reply] = {}
+        failures = []
+        for cid in self.client_order(cids):
+            try:
+                replies[cid] = self.run_client(cid, rnd, phase_idx, phase, msgs[cid])
+            except Exception as err:  # a failing client is dropped from the round, never the run
+                failures.append(
+                    {
+                        "round": rnd,
+                        "phase": phase,
+                        "client": cid,
+                        "error": f"{type(err).__name__}: {err}",
+                        "where": traceback.format_exc(limit=3).splitlines()[-3:],
+                    }
+                )
+        replies = dict(sorted(replies.items()))  # aggregation order is fixed, whatever order clients ran in
+        if replies:
+            self.algo.aggregate(rnd, replies, phase)
+        return RoundResult(replies, failures)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, rnd: int, result: RoundResult, started: float) -> dict[str, Any]:
+        self.flat.set_params(self.algo.global_params)
+        self.flat.set_buffers(self.algo.global_buffers)
+        metrics = evaluate_global(self.model, self.fed, self.cfg.run.eval_batch_size)
+        acc = metrics["test_acc"]
+        self.ema = acc if self.ema is None else self.cfg.run.ema * self.ema + (1 - self.cfg.run.ema) * acc
+        replies = result.replies
+        n = sum(r.num_examples for r in replies.values())
+        train_loss = sum(r.metrics.get("train_loss", math.nan) * r.num_examples for r in replies.values())
+        record = {
+            "round": rnd,
+            "elapsed_s": round(time.perf_counter() - started, 4),
+            "lr": self.algo.round_lr(rnd),
+            "train_loss": train_loss / n if n else None,
+            "clients": len(replies),
+            "dropped": len(result.failures),
+            **metrics,
+            "test_acc_ema": self.ema,
+        }
+        record.update(self.algo.round_metrics(rnd))
+        return record
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.run_dir / "checkpoints" / "last.pt"
+
+    def save_checkpoint(self, rnd: int, wall: float) -> None:
+        state = {
+            "round": rnd,
+            "algo": self.algo.state_dict(),
+            "clients": self.store.state_dict(),
+            "ema": self.ema,
+            "wall_s": wall,
+            "config": self.resolved,
+        }
+        path = self.checkpoint_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        os.close(fd)
+        torch.save(state, tmp)
+        os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint intact
+
+    def load_checkpoint(self) -> tuple[int, float]:
+        state = torch.load(self.checkpoint_path, weights_only=False)
+        if state["config"] != self.resolved:
+            raise ConfigError(
+                f"cannot resume {self.run_dir}: its config differs from this one; use a new run name or --overwrite"
+            )
+        self.algo.load_state_dict(state["algo"])
+        self.store.load_state_dict(state["clients"])
+        self.ema = state["ema"]
+        return state["round"], state["wall_s"]
+
+    # ------------------------------------------------------------------ the run
+    def prepare_dir(self, resume: bool, overwrite: bool) -> int:
+        """Set up the run folder; returns the last finished round (0 for a fresh run)."""
+        if overwrite and self.run_dir.exists():
+            shutil.rmtree(self.run_dir)
+        if resume and self.checkpoint_path.exists():
+            done, self._wall_before = self.load_checkpoint()
+            truncate_after(self.run_dir / "metrics.jsonl", done)
+            truncate_after(self.run_dir / "failures.jsonl", done)
+            return done
+        if resume:  # crashed before its first checkpoint: start over, keeping nothing stale
+            truncate_after(self.run_dir / "metrics.jsonl", 0)
+            truncate_after(self.run_dir / "failures.jsonl", 0)
+        elif (self.run_dir / "metrics.jsonl").exists():
+            raise ConfigError(
+                f"run folder {str(self.run_dir)!r} already holds a run; pass --resume to continue "
+                "it, --overwrite to replace it, or choose another run.name"
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.run_dir / "config.json", self.resolved)
+        return 0
+
+    def run(self, resume: bool = False, overwrite: bool = False, stop_after: int | None = None) -> dict[str, Any]:
+        """Train to ``run.rounds`` (or stop after round ``stop_after``, used to test kill-and-resume)."""
+        self._wall_before = 0.0
+        done = self.prepare_dir(resume, overwrite)
+        metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
+        failures_log = MetricsLog(self.run_dir / "failures.jsonl")
+        rounds, started = self.cfg.run.rounds, time.perf_counter()
+        last = stop_after if stop_after is not None else rounds
+        record: dict[str, Any] = {}
+        with self._progress() as progress:
+            task = progress.add_task(self.name, total=rounds, completed=done, acc="—")
+            for rnd in range(done + 1, last + 1):
+                cids = self.sample_clients(rnd)
+                for phase_idx, phase in enumerate(self.algo.phases):
+                    result = self.run_phase(rnd, phase_idx, phase, cids)
+                    for f in result.failures:
+                        failures_log.append(f)
+                if rnd % self.cfg.run.eval_every == 0 or rnd == rounds:
+                    record = self.evaluate(rnd, result, started)
+                    metrics_log.append(record)
+                    progress.update(task, acc=f"{100 * record['test_acc']:.2f}%")
+                if rnd % self.cfg.run.checkpoint_every == 0 or rnd == last:
+                    self.save_checkpoint(rnd, self._wall_before + time.perf_counter() - started)
+                progress.update(task, advance=1)
+        return self.write_summary(last, started)
+
+    def write_summary(self, last: int, started: float) -> dict[str, Any]:
+        from fedhet.results.store import read_metrics
+
+        records = read_metrics(self.run_dir / "metrics.jsonl")
+        accs = [r["test_acc"] for r in records if "test_acc" in r]
+        summary = {
+            "name": self.name,
+            "status": "finished" if last >= self.cfg.run.rounds else "stopped",
+            "rounds_done": last,
+            "algorithm": self.cfg.algorithm.name,
+            "dataset": self.cfg.dataset.name,
+            "partition": self.cfg.partition.name,
+            "seed": self.cfg.run.seed,
+            "final": records[-1] if records else {},
+            "best_test_acc": max(accs) if accs else None,
+            "wall_time_s": round(self._wall_before + time.perf_counter() - started, 3),
+        }
+        write_json_atomic(self.run_dir / "summary.json", summary)
+        return summary
+
+    def _progress(self) -> Progress:
+        return Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("acc {task.fields[acc]}"),
+            TimeElapsedColumn(),
+            console=self.console,
+            disable=not self.cfg.run.progress,
+            transient=False,
+        )
+
+
+def _check_finite(reply: Reply) -> None:
+    for name, t in reply.tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise FloatingPointError(f"reply tensor {name!r} has non-finite values")
+    for name, v in {**reply.scalars, **reply.metrics}.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            raise FloatingPointError(f"reply value {name!r} is {v}")
+
+
+def existing_summary(run_dir: Path) -> dict[str, Any] | None:
+    p = run_dir / "summary.json"
+    return read_json(p) if p.exists() else None

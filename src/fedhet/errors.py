@@ -1,0 +1,16 @@
+"""User-facing errors: each carries a one-line message that names the problem and, where useful, the valid choices."""
+
+from __future__ import annotations
+
+
+class FedhetError(Exception):
+    """Base class of errors that the CLI prints as one line instead of a traceback."""
+
+
+class ConfigError(FedhetError, ValueError):
+    """A configuration value, key or name is wrong."""
+
+
+def unknown_choice(kind: str, name: str, choices) -> ConfigError:
+    """The standard 'unknown X' error, listing the valid names."""
+    return ConfigError(f"unknown {kind} {name!r}; choose one of: {', '.join(sorted(choices))}")

@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedhet.config import build_config
+
+
+@pytest.fixture(autouse=True)
+def _few_threads():
+    # CI has two cores; pinning threads keeps timings and reductions stable across machines.
+    torch.set_num_threads(1)
+    yield
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    """A federated run on sklearn digits that takes about a second."""
+
+    def make(**sections):
+        raw = {
+            "run": {"rounds": 3, "out_dir": str(tmp_path / "runs"), "progress": False, "seed": 0},
+            "dataset": {"name": "digits"},
+            "partition": {"name": "dirichlet", "alpha": 0.5, "num_clients": 6, "min_size": 20},
+            "model": {"name": "mlp", "hidden": [32]},
+            "train": {"participation": 0.5, "local_epochs": 1, "batch_size": 16, "lr": 0.1},
+            "algorithm": {"name": "fedavg"},
+        }
+        for name, values in sections.items():
+            raw[name] = {**raw.get(name, {}), **values} if name not in ("algorithm", "server") else values
+        return build_config(raw)
+
+    return make
