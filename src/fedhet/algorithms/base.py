@@ -131,6 +131,14 @@ class Algorithm:
         self.global_params: torch.Tensor | None = None
         self.global_buffers: torch.Tensor | None = None
 
+    @classmethod
+    def prepare_model(cls, config: AlgoConfig, model: FedModel) -> FedModel:
+        """Add algorithm-owned modules to a freshly built model (MOON's projection head, personal heads, ...).
+
+        Runs on the server and on every client before parameters are flattened, so whatever is added here is part
+        of the exchanged and aggregated parameter vector."""
+        return model
+
     # ----------------------------------------------------------------- server side
     def init_server(self, params: torch.Tensor, buffers: torch.Tensor) -> None:
         self.global_params = params.clone()

@@ -26,6 +26,7 @@ from fedhet.algorithms import (
     Setup,
     build_server_optimizer,
 )
+from fedhet.algorithms.base import AlgoConfig
 from fedhet.config import Config, validate_params
 from fedhet.data.augment import build_augment
 from fedhet.data.federated import FederatedDataset, federate
@@ -99,11 +100,15 @@ def build_federation(cfg: Config) -> FederatedDataset:
     )
 
 
-def build_algorithm(cfg: Config, setup: Setup) -> Algorithm:
+def algorithm_config(cfg: Config) -> tuple[type[Algorithm], AlgoConfig]:
+    """The algorithm class named in ``cfg`` and its validated hyper-parameters."""
     entry = ALGORITHMS.get(cfg.algorithm.name)
-    algo_cfg = validate_params(entry.params, cfg.algorithm.params(), f"algorithm ({entry.name})")
-    server_opt = build_server_optimizer(cfg.server.name, cfg.server.params())
-    return entry.obj(algo_cfg, setup, server_opt)
+    return entry.obj, validate_params(entry.params, cfg.algorithm.params(), f"algorithm ({entry.name})")
+
+
+def build_algorithm(cfg: Config, setup: Setup) -> Algorithm:
+    algo_cls, algo_cfg = algorithm_config(cfg)
+    return algo_cls(algo_cfg, setup, build_server_optimizer(cfg.server.name, cfg.server.params()))
 
 
 @dataclass
@@ -125,10 +130,11 @@ class Simulation:
         self.device = torch.device(cfg.run.device)
         from fedhet.models import build_model
 
+        algo_cls, algo_cfg = algorithm_config(cfg)
+
         def make_model():
-            return build_model(cfg.model.name, self.fed.input_shape, self.fed.num_classes, **cfg.model.params()).to(
-                self.device
-            )
+            model = build_model(cfg.model.name, self.fed.input_shape, self.fed.num_classes, **cfg.model.params())
+            return algo_cls.prepare_model(algo_cfg, model).to(self.device)
 
         torch.manual_seed(derive_seed(cfg.run.seed, 0x40DE1))
         self.model = make_model()
