@@ -58,9 +58,7 @@ class LeNet5Params(ModelParams):
     pass
 
 
-@MODELS.register(
-    "lenet5", "LeNet-5 (conv 6-16, fc 120-84); FedBC's cifarCNN, chenfan95/FedBC", params=LeNet5Params
-)
+@MODELS.register("lenet5", "LeNet-5 (conv 6-16, fc 120-84); FedBC's cifarCNN, chenfan95/FedBC", params=LeNet5Params)
 def build_lenet5(input_shape: tuple[int, ...], num_classes: int, p: LeNet5Params) -> FedModel:
     check_rank("lenet5", input_shape, 3, "(3, 32, 32)")
     # LeNet-5 was designed for 32x32; smaller images (MNIST's 28x28) get the classic 2-pixel pad on conv1.

@@ -33,9 +33,7 @@ METRIC_LABELS = {
 MAX_STACKED_CLASSES = 20
 
 
-def plot_curves(
-    groups: list[Group], path: str | Path, metric: str = "test_acc", title: str | None = None
-) -> Path:
+def plot_curves(groups: list[Group], path: str | Path, metric: str = "test_acc", title: str | None = None) -> Path:
     """`metric` vs round, one line per group: mean over seeds with a shaded ±1 std band."""
     fig = Figure(figsize=(7, 4.5))
     ax = fig.subplots()
