@@ -1,0 +1,111 @@
+"""SCAFFOLD (Karimireddy et al. 2020, "SCAFFOLD: Stochastic Controlled Averaging for Federated Learning"), option II.
+
+The server holds a control variate c and each client its own c_i (zeros until the client first trains; absent from
+the client's state means zeros). Every local step uses the corrected gradient g + c - c_i. After K local steps
+(the client's real count: clients with more data take more steps, and each uses its own K) at the round's lr eta_l:
+
+    c_i+ = c_i - c + (x - y_i) / (K eta_l)                      (option II)
+
+and the client replies with delta_y = y_i - x and delta_c = c_i+ - c_i only. The server takes
+
+    x <- x + eta_g * mean_i delta_y,    c <- c + (1/N) sum_i delta_c   (= c + |S|/N mean_i delta_c)
+
+where N is the number of clients in the federation. The model step goes through the server optimiser with
+target = x + mean_i delta_y, so ``server.lr`` is the global step size eta_g (1 by default, the paper's usual choice),
+and FedAvgM / FedAdam compose with SCAFFOLD. Only the clients that replied count in |S|; a dropped client keeps its
+old c_i, so c stays the mean of all N client variates.
+
+With local momentum or weight decay we still divide by K eta_l as the paper does (its analysis is for plain SGD).
+``momentum_correction`` instead divides by the momentum-effective step count of Lee-Gihun/FedNTD's
+``adaptive_divison``, (K - rho (1 - rho^K) / (1 - rho)) / (1 - rho), so that c_i+ is the average corrected gradient
+again (with Nesterov the exact count for Nesterov steps is used).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+
+from fedhet.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientContext, Message, Reply, weighted_sum
+from fedhet.algorithms.fednova import effective_steps
+
+
+class ScaffoldConfig(AlgoConfig):
+    # Karimireddy et al. 2020, Alg. 1: the server averages delta_y uniformly over the sampled clients; "samples"
+    # weights it by client size as FedAvg does (the control variate update stays uniform either way).
+    weighting: Literal["uniform", "samples"] = "uniform"
+    # False: option II's K * eta_l exactly as in Karimireddy et al. 2020; True: Lee-Gihun/FedNTD's adaptive_divison
+    momentum_correction: bool = False
+
+
+@ALGORITHMS.register(
+    "scaffold",
+    "SCAFFOLD (Karimireddy et al. 2020): local steps corrected by control variates c - c_i, option II update",
+    ScaffoldConfig,
+)
+class Scaffold(Algorithm):
+    name = "scaffold"
+    Config = ScaffoldConfig
+
+    # ----------------------------------------------------------------- server side
+    def init_server(self, params: torch.Tensor, buffers: torch.Tensor) -> None:
+        super().init_server(params, buffers)
+        self.c = torch.zeros_like(self.global_params)
+
+    def global_message(self, rnd: int) -> Message:
+        msg = super().global_message(rnd)
+        msg.tensors["c"] = self.c
+        return msg
+
+    def aggregation_weights(self, replies: dict[int, Reply]) -> list[float]:
+        if self.config.weighting == "uniform":
+            return [1.0 / len(replies)] * len(replies)
+        return super().aggregation_weights(replies)
+
+    def aggregate(self, rnd: int, replies: dict[int, Reply], phase: str) -> dict[str, float]:
+        weights = self.aggregation_weights(replies)
+        target = self.global_params + weighted_sum([r.tensors["delta_y"] for r in replies.values()], weights)
+        self.global_params = self.server_opt.step(self.global_params, target)
+        self.average_buffers(replies, weights)
+        # (1/N) sum over the replies keeps c equal to the mean of all N client variates (paper: |S|/N * mean).
+        n = self.setup.num_clients
+        self.c = self.c + weighted_sum([r.tensors["delta_c"] for r in replies.values()], [1.0 / n] * len(replies))
+        return {}
+
+    def round_metrics(self, rnd: int) -> dict[str, float]:
+        return {"c_norm": float(self.c.norm())}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "c": self.c}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.c = state["c"]
+
+    # ----------------------------------------------------------------- client side
+    def before_local(self, ctx: ClientContext) -> None:
+        c = ctx.message.tensors["c"]
+        c_i = ctx.state.get("c_i")
+        ctx.scratch["correction"] = c.clone() if c_i is None else c - c_i
+
+    def after_backward(self, ctx: ClientContext) -> None:
+        ctx.flat.grad.add_(ctx.scratch["correction"])
+
+    def divisor_steps(self, ctx: ClientContext) -> float:
+        """K in option II's K * eta_l: the client's own step count, or its momentum-effective count."""
+        t = ctx.train
+        if self.config.momentum_correction:
+            return effective_steps(ctx.steps, t.momentum, t.nesterov)
+        return float(ctx.steps)
+
+    def after_local(self, ctx: ClientContext) -> Reply:
+        reply = super().after_local(ctx)
+        delta_y = reply.tensors.pop("params").sub_(ctx.global_params)
+        # delta_c = c_i+ - c_i = (x - y_i) / (K eta_l) - c, computed directly so c_i never cancels out in floats.
+        delta_c = delta_y.div(-self.divisor_steps(ctx) * ctx.lr).sub_(ctx.message.tensors["c"])
+        c_i = ctx.state.get("c_i")
+        ctx.state["c_i"] = delta_c.clone() if c_i is None else c_i + delta_c
+        reply.tensors["delta_y"] = delta_y
+        reply.tensors["delta_c"] = delta_c
+        return reply
