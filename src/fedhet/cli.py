@@ -18,8 +18,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Federated learning on non-IID data: run, compare and report FL algorithms.",
 )
-console = Console()
-err_console = Console(stderr=True)
+# Piped output (CI logs, `| tee`) gets a wide console so tables are not squeezed to 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 160)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override, e.g. -s train.lr=0.05 (repeat).")]

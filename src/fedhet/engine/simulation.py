@@ -133,8 +133,11 @@ class Simulation:
         algo_cls, algo_cfg = algorithm_config(cfg)
 
         def make_model():
-            model = build_model(cfg.model.name, self.fed.input_shape, self.fed.num_classes, **cfg.model.params())
-            return algo_cls.prepare_model(algo_cfg, model).to(self.device)
+            # Auxiliary models (frozen global/previous models) are built lazily inside clients; forking the RNG
+            # keeps their construction from shifting the client's random stream (dropout, augmentation).
+            with torch.random.fork_rng(devices=[]):
+                model = build_model(cfg.model.name, self.fed.input_shape, self.fed.num_classes, **cfg.model.params())
+                return algo_cls.prepare_model(algo_cfg, model).to(self.device)
 
         torch.manual_seed(derive_seed(cfg.run.seed, 0x40DE1))
         self.model = make_model()
@@ -175,7 +178,7 @@ class Simulation:
             augment=self.augment,
         )
         reply = self.algo.client_update(ctx)
-        _check_finite(reply)
+        _check_finite(reply, ctx.state)
         self.store.put(cid, ctx.state)
         return reply
 
@@ -337,7 +340,11 @@ class Simulation:
         )
 
 
-def _check_finite(reply: Reply) -> None:
+def _check_finite(reply: Reply, state: dict[str, torch.Tensor]) -> None:
+    """A client whose reply or new state is not finite is dropped, and its stored state is left as it was."""
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise FloatingPointError(f"client state {name!r} has non-finite values")
     for name, t in reply.tensors.items():
         if t.is_floating_point() and not bool(torch.isfinite(t).all()):
             raise FloatingPointError(f"reply tensor {name!r} has non-finite values")

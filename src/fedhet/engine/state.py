@@ -29,6 +29,8 @@ class MemoryStateStore:
     def put(self, cid: int, state: State) -> None:
         if state:
             self._states[cid] = state
+        else:
+            self._states.pop(cid, None)
 
     def state_dict(self) -> dict[int, State]:
         return self._states
@@ -56,6 +58,7 @@ class DiskStateStore:
 
     def put(self, cid: int, state: State) -> None:
         if not state:
+            self._path(cid).unlink(missing_ok=True)
             return
         fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
         os.close(fd)

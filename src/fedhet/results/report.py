@@ -128,27 +128,49 @@ def make_labels(settings: list[dict[str, Any]]) -> list[str]:
     return dedupe(labels)
 
 
+COMPONENTS = ("algorithm", "server", "model", "dataset", "partition")
+
+
+def owner(key: str, settings: dict[str, Any]) -> Any:
+    """A component parameter (``server.lr``) is only comparable between groups using the same component."""
+    section = key.split(".")[0]
+    if section in COMPONENTS and not key.endswith(".name"):
+        return settings.get(f"{section}.name")
+    return None
+
+
 def differing_keys(settings: list[dict[str, Any]], presence_counts: bool) -> list[str]:
     """Keys whose values differ across groups, algorithm hyper-parameters first.
 
     Without `presence_counts`, a key only some groups have (FedProx's mu next to FedAvg) counts only if those
-    groups disagree on it: the algorithm name already tells such groups apart.
+    groups disagree on it: the algorithm name already tells such groups apart. Likewise a server optimiser's lr
+    only counts between groups that use the same server optimiser.
     """
     order = list(dict.fromkeys(k for s in settings for k in s))
     keys = []
     for key in order:
-        values = {json.dumps(s[key], sort_keys=True, default=str) for s in settings if key in s}
+        values: dict[Any, set[str]] = {}
+        for s in settings:
+            if key in s:
+                values.setdefault(owner(key, s), set()).add(json.dumps(s[key], sort_keys=True, default=str))
         missing = any(key not in s for s in settings)
-        if len(values) > 1 or (presence_counts and missing):
+        if any(len(v) > 1 for v in values.values()) or (presence_counts and missing):
             keys.append(key)
-    keys = [k for k in keys if k != "algorithm.name"]
+    keys = [k for k in keys if k not in ("algorithm.name", "server.name")]
     return sorted(keys, key=lambda k: not k.startswith("algorithm."))
 
 
 def label_for(settings: dict[str, Any], keys: list[str]) -> str:
+    """``fedprox mu=0.1``; a server optimiser other than plain averaging joins the name: ``fedavg+fedadam``."""
     names = short_names(keys)
-    parts = [str(settings.get("algorithm.name", "run"))]
-    parts += [f"{names[k]}={format_value(settings[k])}" for k in keys if k in settings]
+    head = str(settings.get("algorithm.name", "run"))
+    if settings.get("server.name", "sgd") != "sgd":
+        head += "+" + str(settings["server.name"])
+    parts = [head]
+    for k in keys:
+        if k in settings:
+            name = k.split(".")[0] if k.endswith(".name") else names[k]
+            parts.append(f"{name}={format_value(settings[k])}")
     return " ".join(parts)
 
 
@@ -244,7 +266,7 @@ def print_table(rows: list[Row], console: Console | None = None, title: str | No
     header, cells = table_cells(rows)
     table = Table(title=title)
     for i, name in enumerate(header):
-        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=i > 0)
+        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True, min_width=12 if i == 0 else None)
     for line in cells:
         table.add_row(*line)
     (console or Console()).print(table)
