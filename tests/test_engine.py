@@ -41,7 +41,7 @@ def test_same_seed_same_metrics_whatever_the_client_order(tiny_config):
     a = Simulation(tiny_config(run={"name": "a"}))
     a.run()
     b = Simulation(tiny_config(run={"name": "b"}))
-    b.client_order = lambda cids: list(reversed(cids))
+    b.executor.order = lambda cids: list(reversed(cids))
     b.run()
     ra, rb = read_metrics(a.run_dir / "metrics.jsonl"), read_metrics(b.run_dir / "metrics.jsonl")
     assert stable(ra) == stable(rb)
@@ -174,3 +174,37 @@ def test_client_sampling_is_seeded_and_sized(tiny_config):
     assert all(len(p) == 2 and p == sorted(set(p)) for p in picks)
     assert picks == [Simulation(tiny_config(train={"clients_per_round": 2})).sample_clients(r) for r in range(1, 6)]
     assert len({tuple(p) for p in picks}) > 1
+
+
+def test_personalised_accuracy_covers_only_clients_that_trained(tiny_config):
+    from fedhet.algorithms.fedavg import FedAvg
+
+    class KeepLocal(FedAvg):
+        """FedAvg whose personalised model is the client's last local model."""
+
+        personalized = True
+
+        def after_local(self, ctx):
+            ctx.state["local"] = ctx.flat.get_params()
+            return super().after_local(ctx)
+
+        def personalize(self, ctx):
+            return ctx.state.get("local")
+
+    cfg = tiny_config(
+        run={"name": "pers", "rounds": 1}, partition={"local_test_fraction": 0.25}, train={"clients_per_round": 2}
+    )
+    sim = Simulation(cfg)
+    sim.algo.__class__ = KeepLocal
+    sim.run()
+    rec = read_metrics(sim.run_dir / "metrics.jsonl")[-1]
+    assert rec["personal_clients"] == 2 and rec["personal_never_sampled"] == 4
+    # micro = pooled correct / pooled total, recomputed here from the clients' own local models
+    correct = total = 0
+    for cid in sorted(sim.seen):
+        sim.flat.set_params(sim.executor.store.get(cid)["local"])
+        data = sim.fed.clients[cid]
+        hits = (sim.model(data.x_test).argmax(1) == data.y_test).sum().item()
+        correct, total = correct + hits, total + len(data.y_test)
+    assert rec["personal_acc_micro"] == pytest.approx(correct / total)
+    assert 0.0 <= rec["personal_acc_macro"] <= 1.0

@@ -200,6 +200,7 @@ def build_config(raw: dict[str, Any]) -> Config:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     raw = load_raw(path)
+    raw.pop("compare", None)  # a comparison's variant list; `fedhet run` on such a file runs its base setting
     for item in overrides or []:
         apply_override(raw, item)
     return build_config(raw)

@@ -194,6 +194,16 @@ class Algorithm:
         self.server_opt.load_state_dict(state["server_opt"])
 
     # ----------------------------------------------------------------- client side
+    personalized: ClassVar[bool] = False  # True: the engine reports personalised accuracy via ``personalize``
+
+    def personalize(self, ctx: ClientContext) -> torch.Tensor | None:
+        """The client's personalised model as a flat parameter vector, for personalised evaluation.
+
+        Runs on the client with ``ctx.message`` holding the current global model and ``ctx.state`` the client's
+        state; it may train (a fine-tuning step) but only on ``ctx.data.x`` / ``ctx.data.y``, never on the test
+        split. Return None when this client has no personalised model."""
+        return None
+
     def client_update(self, ctx: ClientContext) -> Reply:
         from fedhet.engine.local import train_locally
 

@@ -7,7 +7,6 @@ import os
 import shutil
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +19,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from fedhet.algorithms import (
     ALGORITHMS,
     Algorithm,
-    ClientContext,
-    Message,
     Reply,
     Setup,
     build_server_optimizer,
@@ -30,16 +27,11 @@ from fedhet.algorithms.base import AlgoConfig
 from fedhet.config import Config, validate_params
 from fedhet.data.augment import build_augment
 from fedhet.data.federated import FederatedDataset, federate
+from fedhet.engine.client import ClientRunner, Executor, LocalExecutor, derive_seed
 from fedhet.engine.evaluate import evaluate_global
 from fedhet.engine.flat import FlatModel
-from fedhet.engine.state import MemoryStateStore
 from fedhet.errors import ConfigError
 from fedhet.results.store import MetricsLog, read_json, truncate_after, write_json_atomic
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed from integer parts, so each (run seed, round, client, phase) has its own independent stream."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def resolve_config(cfg: Config) -> dict[str, Any]:
@@ -120,7 +112,13 @@ class RoundResult:
 class Simulation:
     """One run: ``Simulation(cfg).run()`` trains, evaluates and writes the run folder."""
 
-    def __init__(self, cfg: Config, fed: FederatedDataset | None = None, console: Console | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        fed: FederatedDataset | None = None,
+        console: Console | None = None,
+        executor: Executor | None = None,
+    ) -> None:
         self.cfg = cfg
         self.resolved = resolve_config(cfg)
         self.console = console or Console(stderr=True)
@@ -145,8 +143,9 @@ class Simulation:
         self.setup = Setup(self.fed.num_clients, self.fed.num_classes, cfg.train, make_model, self.device)
         self.algo = build_algorithm(cfg, self.setup)
         self.algo.init_server(self.flat.get_params(), self.flat.get_buffers())
-        self.store = MemoryStateStore()
-        self.augment = build_augment(cfg.train.augment)
+        runner = ClientRunner(self.algo, self.flat, cfg.train, build_augment(cfg.train.augment), cfg.run.seed)
+        self.executor: Executor = executor or LocalExecutor(runner, self.fed.clients)
+        self.seen: set[int] = set()  # clients that have completed at least one round
         self.ema: float | None = None
 
     # ------------------------------------------------------------------ sampling and clients
@@ -157,51 +156,13 @@ class Simulation:
         rng = np.random.default_rng(derive_seed(self.cfg.run.seed, rnd, 0x5A))
         return sorted(int(c) for c in rng.choice(n, size=k, replace=False))
 
-    def client_order(self, cids: list[int]) -> list[int]:
-        """Order in which clients are run; results never depend on it (tests reverse it)."""
-        return cids
-
-    def run_client(self, cid: int, rnd: int, phase_idx: int, phase: str, msg: Message) -> Reply:
-        seed = derive_seed(self.cfg.run.seed, rnd, cid, phase_idx)
-        torch.manual_seed(seed)  # dropout and any other global-RNG use inside the model
-        ctx = ClientContext(
-            cid=cid,
-            round=rnd,
-            phase=phase,
-            message=msg,
-            data=self.fed.clients[cid],
-            state=self.store.get(cid),
-            model=self.model,
-            flat=self.flat,
-            train=self.cfg.train,
-            generator=torch.Generator().manual_seed(seed),
-            augment=self.augment,
-        )
-        reply = self.algo.client_update(ctx)
-        _check_finite(reply, ctx.state)
-        self.store.put(cid, ctx.state)
-        return reply
-
     def run_phase(self, rnd: int, phase_idx: int, phase: str, cids: list[int]) -> RoundResult:
         msgs = self.algo.configure(rnd, cids, phase)
-        replies: dict[int, Reply] = {}
-        failures = []
-        for cid in self.client_order(cids):
-            try:
-                replies[cid] = self.run_client(cid, rnd, phase_idx, phase, msgs[cid])
-            except Exception as err:  # a failing client is dropped from the round, never the run
-                failures.append(
-                    {
-                        "round": rnd,
-                        "phase": phase,
-                        "client": cid,
-                        "error": f"{type(err).__name__}: {err}",
-                        "where": traceback.format_exc(limit=3).splitlines()[-3:],
-                    }
-                )
+        replies, failures = self.executor.run_phase(rnd, phase_idx, phase, msgs)
         replies = dict(sorted(replies.items()))  # aggregation order is fixed, whatever order clients ran in
         if replies:
             self.algo.aggregate(rnd, replies, phase)
+            self.seen.update(replies)
         return RoundResult(replies, failures)
 
     # ------------------------------------------------------------------ evaluation
@@ -224,8 +185,28 @@ class Simulation:
             **metrics,
             "test_acc_ema": self.ema,
         }
+        record.update(self.personal_metrics(rnd))
         record.update(self.algo.round_metrics(rnd))
         return record
+
+    def personal_metrics(self, rnd: int) -> dict[str, Any]:
+        """Each client's personalised model on its local test split (micro and macro averages).
+
+        Only clients that have trained at least once are evaluated; the others are counted, not silently scored
+        with the global model."""
+        if not self.algo.personalized:
+            return {}
+        cids = sorted(self.seen)
+        accs = self.executor.personal_accuracies(rnd, cids, self.algo.global_message(rnd), self.cfg.run.eval_batch_size)
+        if not accs:
+            return {"personal_clients": 0, "personal_never_sampled": self.fed.num_clients - len(cids)}
+        correct, total = np.array(list(accs.values())).sum(axis=0)
+        return {
+            "personal_acc_micro": float(correct / max(total, 1)),
+            "personal_acc_macro": float(np.mean([c / max(n, 1) for c, n in accs.values()])),
+            "personal_clients": len(accs),
+            "personal_never_sampled": self.fed.num_clients - len(cids),
+        }
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -236,7 +217,8 @@ class Simulation:
         state = {
             "round": rnd,
             "algo": self.algo.state_dict(),
-            "clients": self.store.state_dict(),
+            "executor": self.executor.state_dict(),
+            "seen": sorted(self.seen),
             "ema": self.ema,
             "wall_s": wall,
             "config": self.resolved,
@@ -255,7 +237,8 @@ class Simulation:
                 f"cannot resume {self.run_dir}: its config differs from this one; use a new run name or --overwrite"
             )
         self.algo.load_state_dict(state["algo"])
-        self.store.load_state_dict(state["clients"])
+        self.executor.load_state_dict(state["executor"])
+        self.seen = set(state["seen"])
         self.ema = state["ema"]
         return state["round"], state["wall_s"]
 
@@ -338,19 +321,6 @@ class Simulation:
             disable=not self.cfg.run.progress,
             transient=False,
         )
-
-
-def _check_finite(reply: Reply, state: dict[str, torch.Tensor]) -> None:
-    """A client whose reply or new state is not finite is dropped, and its stored state is left as it was."""
-    for name, t in state.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise FloatingPointError(f"client state {name!r} has non-finite values")
-    for name, t in reply.tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise FloatingPointError(f"reply tensor {name!r} has non-finite values")
-    for name, v in {**reply.scalars, **reply.metrics}.items():
-        if isinstance(v, float) and not math.isfinite(v):
-            raise FloatingPointError(f"reply value {name!r} is {v}")
 
 
 def existing_summary(run_dir: Path) -> dict[str, Any] | None:

@@ -1,0 +1,171 @@
+"""The client side of a round, and executors that run it for many clients.
+
+``ClientRunner`` is what one client machine does: given the server's message, its own data and its persistent
+state, run the algorithm's client update and return the reply and the new state. It is used unchanged in the
+in-process simulation (``LocalExecutor``) and on a Flower SuperNode.
+
+An executor runs one phase for a set of clients and returns their replies plus the failures. ``LocalExecutor`` runs
+them one after another in this process with an in-memory (or on-disk) state store; fedhet.flower provides one that
+sends the messages over Flower instead. The round loop in ``Simulation`` is the same for both.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from fedhet.algorithms.base import Algorithm, ClientContext, ClientData, Message, Reply
+from fedhet.config import TrainSection
+from fedhet.data.augment import Augment
+from fedhet.engine.evaluate import evaluate
+from fedhet.engine.flat import FlatModel
+from fedhet.engine.state import MemoryStateStore, State
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integer parts, so each (run seed, round, client, phase) has its own independent stream."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0] >> 1)
+
+
+class ClientRunner:
+    def __init__(
+        self, algo: Algorithm, flat: FlatModel, train: TrainSection, augment: Augment | None, run_seed: int
+    ) -> None:
+        self.algo = algo
+        self.flat = flat
+        self.model = flat.model
+        self.train = train
+        self.augment = augment
+        self.run_seed = run_seed
+
+    def context(
+        self, cid: int, rnd: int, phase_idx: int, phase: str, msg: Message, data: ClientData, state: State
+    ) -> ClientContext:
+        seed = derive_seed(self.run_seed, rnd, cid, phase_idx)
+        torch.manual_seed(seed)  # dropout and any other global-RNG use inside the model
+        return ClientContext(
+            cid=cid,
+            round=rnd,
+            phase=phase,
+            message=msg,
+            data=data,
+            state=state,
+            model=self.model,
+            flat=self.flat,
+            train=self.train,
+            generator=torch.Generator().manual_seed(seed),
+            augment=self.augment,
+        )
+
+    def run(
+        self, cid: int, rnd: int, phase_idx: int, phase: str, msg: Message, data: ClientData, state: State
+    ) -> tuple[Reply, State]:
+        ctx = self.context(cid, rnd, phase_idx, phase, msg, data, state)
+        reply = self.algo.client_update(ctx)
+        check_finite(reply, ctx.state)
+        return reply, ctx.state
+
+    def personal_accuracy(
+        self, cid: int, rnd: int, msg: Message, data: ClientData, state: State, batch_size: int
+    ) -> tuple[int, int] | None:
+        """(correct, total) of the client's personalised model on its local test split, or None if it has none."""
+        if data.y_test is None or len(data.y_test) == 0:
+            return None
+        ctx = self.context(cid, rnd, 0xE7A1, "personalize", msg, data, state)
+        personal = self.algo.personalize(ctx)
+        if personal is None:
+            return None
+        self.flat.set_params(personal)
+        stats = evaluate(self.model, data.x_test, data.y_test, data.num_classes, batch_size)
+        return int(round(stats.correct.sum())), stats.n
+
+
+def check_finite(reply: Reply, state: State) -> None:
+    """A client whose reply or new state is not finite is dropped, and its stored state is left as it was."""
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise FloatingPointError(f"client state {name!r} has non-finite values")
+    for name, t in reply.tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise FloatingPointError(f"reply tensor {name!r} has non-finite values")
+    for name, v in {**reply.scalars, **reply.metrics}.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            raise FloatingPointError(f"reply value {name!r} is {v}")
+
+
+def failure_record(rnd: int, phase: str, cid: int, err: BaseException) -> dict[str, Any]:
+    return {
+        "round": rnd,
+        "phase": phase,
+        "client": cid,
+        "error": f"{type(err).__name__}: {err}",
+        "where": traceback.format_exc(limit=3).splitlines()[-3:],
+    }
+
+
+class Executor(Protocol):
+    def run_phase(
+        self, rnd: int, phase_idx: int, phase: str, msgs: dict[int, Message]
+    ) -> tuple[dict[int, Reply], list[dict[str, Any]]]: ...
+
+    def personal_accuracies(
+        self, rnd: int, cids: list[int], msg: Message, batch_size: int
+    ) -> dict[int, tuple[int, int]]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class LocalExecutor:
+    """Runs clients one after another in this process; their persistent state lives in ``store``."""
+
+    def __init__(
+        self,
+        runner: ClientRunner,
+        clients: list[ClientData],
+        store: MemoryStateStore | None = None,
+        order: Callable[[list[int]], list[int]] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.clients = clients
+        self.store = store if store is not None else MemoryStateStore()
+        self.order = order or (lambda cids: cids)  # results never depend on it (tests reverse it)
+
+    def run_phase(
+        self, rnd: int, phase_idx: int, phase: str, msgs: dict[int, Message]
+    ) -> tuple[dict[int, Reply], list[dict[str, Any]]]:
+        replies: dict[int, Reply] = {}
+        failures = []
+        for cid in self.order(list(msgs)):
+            try:
+                reply, state = self.runner.run(
+                    cid, rnd, phase_idx, phase, msgs[cid], self.clients[cid], self.store.get(cid)
+                )
+            except Exception as err:  # a failing client is dropped from the round, never the run
+                failures.append(failure_record(rnd, phase, cid, err))
+                continue
+            self.store.put(cid, state)
+            replies[cid] = reply
+        return replies, failures
+
+    def personal_accuracies(
+        self, rnd: int, cids: list[int], msg: Message, batch_size: int
+    ) -> dict[int, tuple[int, int]]:
+        out = {}
+        for cid in cids:
+            acc = self.runner.personal_accuracy(cid, rnd, msg, self.clients[cid], self.store.get(cid), batch_size)
+            if acc is not None:
+                out[cid] = acc
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"clients": self.store.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.store.load_state_dict(state["clients"])
