@@ -27,7 +27,9 @@ def tiny_config(tmp_path):
             "algorithm": {"name": "fedavg"},
         }
         for name, values in sections.items():
-            raw[name] = {**raw.get(name, {}), **values} if name not in ("algorithm", "server") else values
+            # a component given by a new name starts from its own defaults, not the previous one's parameters
+            replace = name in ("algorithm", "server") or (name in ("partition", "model") and "name" in values)
+            raw[name] = values if replace else {**raw.get(name, {}), **values}
         return build_config(raw)
 
     return make

@@ -133,7 +133,7 @@ def test_feddyn_kill_and_resume_is_bit_exact(tiny_config):
     )
     torch.testing.assert_close(full.algo.global_params, resumed.algo.global_params, rtol=0, atol=0)
     torch.testing.assert_close(full.algo.h, resumed.algo.h, rtol=0, atol=0)
-    for cid, state in full.executor.store.state_dict().items():
+    for cid, state in full.executor.store.items():
         torch.testing.assert_close(
-            state["grad_state"], resumed.executor.store.state_dict()[cid]["grad_state"], rtol=0, atol=0
+            state["grad_state"], dict(resumed.executor.store.items())[cid]["grad_state"], rtol=0, atol=0
         )

@@ -136,7 +136,7 @@ def test_scaffold_learns_on_digits_and_c_is_the_mean_of_client_variates(tiny_con
     sim = Simulation(tiny_config(run={"rounds": 6}, algorithm={"name": "scaffold"}))
     summary = sim.run()
     assert summary["final"]["test_acc"] > 0.8, summary["final"]
-    states = sim.executor.store.state_dict()
+    states = dict(sim.executor.store.items())
     assert 0 < len(states) <= sim.fed.num_clients  # participation 0.5: clients that never trained hold no state
     mean_c_i = sum(s["c_i"] for s in states.values()) / sim.fed.num_clients
     torch.testing.assert_close(sim.algo.c, mean_c_i)

@@ -38,6 +38,9 @@ class RunSection(_Strict):
     device: str = "cpu"
     eval_batch_size: int = Field(1024, ge=1)
     progress: bool = True
+    # where client-held state lives: "auto" keeps it in memory until it passes the budget, then moves it to disk
+    client_state: Literal["auto", "memory", "disk"] = "auto"
+    client_state_budget_mb: float = Field(2048.0, gt=0.0)
 
 
 class TrainSection(_Strict):

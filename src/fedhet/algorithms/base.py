@@ -195,6 +195,9 @@ class Algorithm:
 
     # ----------------------------------------------------------------- client side
     personalized: ClassVar[bool] = False  # True: the engine reports personalised accuracy via ``personalize``
+    # Key prefix of the personalised metrics ({prefix}_acc_micro, ...). An algorithm whose personalisation breaks
+    # the protocol (FedBC-FineTune fine-tuned on test data) returns a different one, so its numbers stay marked.
+    personal_metric_prefix: str = "personal"
 
     def personalize(self, ctx: ClientContext) -> torch.Tensor | None:
         """The client's personalised model as a flat parameter vector, for personalised evaluation.

@@ -30,6 +30,7 @@ from fedhet.data.federated import FederatedDataset, federate
 from fedhet.engine.client import ClientRunner, Executor, LocalExecutor, derive_seed
 from fedhet.engine.evaluate import evaluate_global
 from fedhet.engine.flat import FlatModel
+from fedhet.engine.state import build_state_store
 from fedhet.errors import ConfigError
 from fedhet.results.store import MetricsLog, read_json, truncate_after, write_json_atomic
 
@@ -144,7 +145,8 @@ class Simulation:
         self.algo = build_algorithm(cfg, self.setup)
         self.algo.init_server(self.flat.get_params(), self.flat.get_buffers())
         runner = ClientRunner(self.algo, self.flat, cfg.train, build_augment(cfg.train.augment), cfg.run.seed)
-        self.executor: Executor = executor or LocalExecutor(runner, self.fed.clients)
+        store = build_state_store(cfg.run.client_state, self.run_dir / "client_state", cfg.run.client_state_budget_mb)
+        self.executor: Executor = executor or LocalExecutor(runner, self.fed.clients, store)
         self.seen: set[int] = set()  # clients that have completed at least one round
         self.ema: float | None = None
 
@@ -196,16 +198,17 @@ class Simulation:
         with the global model."""
         if not self.algo.personalized:
             return {}
+        p = self.algo.personal_metric_prefix
         cids = sorted(self.seen)
         accs = self.executor.personal_accuracies(rnd, cids, self.algo.global_message(rnd), self.cfg.run.eval_batch_size)
         if not accs:
-            return {"personal_clients": 0, "personal_never_sampled": self.fed.num_clients - len(cids)}
+            return {f"{p}_clients": 0, f"{p}_never_sampled": self.fed.num_clients - len(cids)}
         correct, total = np.array(list(accs.values())).sum(axis=0)
         return {
-            "personal_acc_micro": float(correct / max(total, 1)),
-            "personal_acc_macro": float(np.mean([c / max(n, 1) for c, n in accs.values()])),
-            "personal_clients": len(accs),
-            "personal_never_sampled": self.fed.num_clients - len(cids),
+            f"{p}_acc_micro": float(correct / max(total, 1)),
+            f"{p}_acc_macro": float(np.mean([c / max(n, 1) for c, n in accs.values()])),
+            f"{p}_clients": len(accs),
+            f"{p}_never_sampled": self.fed.num_clients - len(cids),
         }
 
     # ------------------------------------------------------------------ checkpoints
