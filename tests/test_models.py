@@ -139,3 +139,13 @@ def test_bad_configuration_raises_config_error(name, shape, params, message):
     with pytest.raises(ConfigError) as info:
         build_model(name, shape, 10, **params)
     assert message in str(info.value)
+
+
+def test_convnet_without_hidden_layer_is_fedrane_cnnmodel():
+    """FedRANE's official CNNModel: conv5x5 1->16 pad 2, pool, conv5x5 16->32 pad 2, pool, FC 1568 -> C."""
+    model = build_model("convnet", (1, 28, 28), 10, channels=(16, 32), hidden=0)
+    assert model.embedding_dim == 32 * 7 * 7
+    expected = (16 * 25 + 16) + (32 * 16 * 25 + 32) + (1568 * 10 + 10)
+    assert sum(p.numel() for p in model.parameters()) == expected
+    logits, feats = model.forward_features(torch.randn(3, 1, 28, 28))
+    torch.testing.assert_close(model.head(feats["embedding"]), logits)

@@ -6,7 +6,7 @@ size comes from a dry run on the input shape, so the same model works for 28x28 
 
 from __future__ import annotations
 
-from pydantic import PositiveInt
+from pydantic import NonNegativeInt, PositiveInt
 from torch import nn
 
 from fedhet.models.base import MODELS, FedModel, ModelParams, check_rank, flat_size
@@ -35,6 +35,8 @@ def conv_fc_model(
     for i, out in enumerate(hidden):
         stages[f"fc{i + 1}"] = fc_stage(width, out, flatten=i == 0)
         width = out
+    if not hidden:  # the flattened conv output is the embedding
+        stages["flatten"] = nn.Flatten()
     return FedModel(stages, width, num_classes, head_bias=head_bias)
 
 
@@ -69,7 +71,9 @@ def build_lenet5(input_shape: tuple[int, ...], num_classes: int, p: LeNet5Params
 
 class ConvNetParams(ModelParams):
     channels: tuple[PositiveInt, PositiveInt] = (32, 64)  # McMahan et al. 2017, "CNN" for MNIST
-    hidden: PositiveInt = 512  # McMahan et al. 2017
+    # McMahan et al. 2017 use 512; 0 = no hidden layer, the classifier reads the flattened conv output (FedRANE's
+    # official CNNModel: channels (16, 32), FC 1568 -> C; XeniaLLL/HyperFed_and_FedRANE-master system/main.py)
+    hidden: NonNegativeInt = 512
 
 
 @MODELS.register(
@@ -81,4 +85,4 @@ def build_convnet(input_shape: tuple[int, ...], num_classes: int, p: ConvNetPara
     check_rank("convnet", input_shape, 3, "(1, 28, 28)")
     c1, c2 = p.channels
     convs = [conv_stage(input_shape[0], c1, padding=2), conv_stage(c1, c2, padding=2)]
-    return conv_fc_model("convnet", input_shape, num_classes, convs, [p.hidden])
+    return conv_fc_model("convnet", input_shape, num_classes, convs, [p.hidden] if p.hidden else [])
