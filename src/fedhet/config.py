@@ -142,17 +142,6 @@ def _valid_keys_hint(err: ValidationError) -> str:
     return f"; valid keys{' in [' + section + ']' if section else ''}: {', '.join(model.model_fields)}"
 
 
-def validate_params(model: type[BaseModel], values: dict[str, Any], where: str) -> BaseModel:
-    """Validate a component's parameters, turning pydantic's report into one ConfigError line."""
-    try:
-        return model.model_validate(values)
-    except ValidationError as err:
-        msg = format_validation_error(err, where)
-        if any(e["type"] == "extra_forbidden" for e in err.errors()):
-            msg += f"; valid {where} parameters: {', '.join(model.model_fields) or '(none)'}"
-        raise ConfigError(msg) from None
-
-
 def parse_value(text: str) -> Any:
     """Parse an override value: numbers, booleans, lists and quoted strings as Python literals, else a string."""
     low = text.strip().lower()

@@ -10,9 +10,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from fedhet.errors import unknown_choice
+from fedhet.errors import ConfigError, unknown_choice
+
+
+def parse_params(kind: str, name: str, model: type[BaseModel], params: dict[str, Any]) -> BaseModel:
+    """Validate a component's parameters; pydantic's report becomes one line naming the problem and the valid keys.
+
+    ``unknown parameter 'mu' for algorithm 'fedavg'; valid: weighting`` or
+    ``partitioner 'dirichlet': alpha: Input should be greater than 0 (got 0)``.
+    """
+    try:
+        return model.model_validate(params)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            key = ".".join(str(part) for part in err["loc"])
+            if err["type"] == "extra_forbidden":
+                valid = ", ".join(model.model_fields) or "none"
+                problems.append(f"unknown parameter {key!r} for {kind} {name!r}; valid: {valid}")
+            else:
+                problems.append(f"{kind} {name!r}: {key}: {err['msg']} (got {err.get('input')!r})")
+        raise ConfigError("; ".join(problems)) from None
 
 
 @dataclass(frozen=True)
@@ -42,6 +62,15 @@ class Registry:
         if key not in self._entries:
             raise unknown_choice(self.kind, name, self._entries)
         return self._entries[key]
+
+    def parse(self, name: str, params: dict[str, Any]) -> tuple[Entry, BaseModel | None]:
+        """The entry called ``name`` and its validated parameters (None for an entry that takes none)."""
+        entry = self.get(name)
+        if entry.params is None:
+            if params:
+                raise ConfigError(f"{self.kind} {entry.name!r} takes no parameters; got {', '.join(params)}")
+            return entry, None
+        return entry, parse_params(self.kind, entry.name, entry.params, params)
 
     def names(self) -> list[str]:
         return sorted(self._entries)

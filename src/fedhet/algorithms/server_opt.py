@@ -114,7 +114,5 @@ class FedAdagrad(_Adaptive):
 
 
 def build_server_optimizer(name: str, values: dict[str, Any]) -> ServerOptimizer:
-    from fedhet.config import validate_params
-
-    entry = SERVER_OPTIMIZERS.get(name)
-    return entry.obj(validate_params(entry.params, values, f"server ({entry.name})"))
+    entry, params = SERVER_OPTIMIZERS.parse(name, values)
+    return entry.obj(params)

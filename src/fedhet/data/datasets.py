@@ -25,11 +25,10 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from fedhet.data.types import ArrayDataset, DataError
-from fedhet.errors import ConfigError
-from fedhet.registry import Registry
+from fedhet.registry import Registry, parse_params
 
 DATASETS = Registry("dataset")
 
@@ -93,19 +92,6 @@ class ShakespeareParams(NoParams):
     min_samples: int = Field(20, ge=1)
     max_roles: int | None = Field(None, ge=1)
     seed: int = 0
-
-
-def parse_params(kind: str, name: str, model: type[BaseModel], params: dict) -> BaseModel:
-    """Validate ``params`` against ``model``, turning pydantic's report into a one-line ConfigError."""
-    try:
-        return model(**params)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        key = ".".join(str(part) for part in err["loc"])
-        if err["type"] == "extra_forbidden":
-            valid = ", ".join(model.model_fields) or "none"
-            raise ConfigError(f"unknown parameter {key!r} for {kind} {name!r}; valid: {valid}") from None
-        raise ConfigError(f"{kind} {name!r}: {key}: {err['msg']} (got {err.get('input')!r})") from None
 
 
 # ----------------------------------------------------------------------------------------------------------

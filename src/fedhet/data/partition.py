@@ -13,8 +13,8 @@ import math
 import numpy as np
 from pydantic import BaseModel, Field
 
+from fedhet import registry
 from fedhet.data.datasets import NoParams
-from fedhet.data.datasets import parse_params as parse_dataset_params
 from fedhet.data.types import DataError
 from fedhet.errors import ConfigError
 from fedhet.registry import Registry
@@ -51,7 +51,7 @@ class PowerLawParams(NoParams):
 
 
 def parse_params(name: str, model: type[BaseModel], params: dict) -> BaseModel:
-    return parse_dataset_params("partitioner", name, model, params)
+    return registry.parse_params("partitioner", name, model, params)
 
 
 def partition(name: str, labels, num_clients: int, seed: int, groups=None, **params) -> list[np.ndarray]:

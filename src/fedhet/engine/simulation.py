@@ -18,13 +18,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fedhet.algorithms import (
     ALGORITHMS,
+    SERVER_OPTIMIZERS,
     Algorithm,
     Reply,
     Setup,
     build_server_optimizer,
 )
 from fedhet.algorithms.base import AlgoConfig
-from fedhet.config import Config, validate_params
+from fedhet.config import Config
 from fedhet.data.augment import build_augment
 from fedhet.data.federated import FederatedDataset, federate
 from fedhet.engine.client import ClientRunner, Executor, LocalExecutor, derive_seed
@@ -50,24 +51,14 @@ def resolve_config(cfg: Config) -> dict[str, Any]:
         ("partition", PARTITIONERS),
         ("model", MODELS),
         ("algorithm", ALGORITHMS),
-        ("server", _server_registry()),
+        ("server", SERVER_OPTIMIZERS),
     ):
         comp = getattr(cfg, section)
-        entry = registry.get(comp.name)
-        params = comp.params()
-        if entry.params is not None:
-            params = validate_params(entry.params, params, f"{section} ({entry.name})").model_dump(mode="json")
-        elif params:
-            raise ConfigError(f"{section} {entry.name!r} takes no parameters; got {', '.join(params)}")
+        entry, parsed = registry.parse(comp.name, comp.params())
+        params = parsed.model_dump(mode="json") if parsed is not None else {}
         fixed = {k: v for k, v in out[section].items() if k not in comp.params()}
         out[section] = {**fixed, "name": entry.name, **params}
     return out
-
-
-def _server_registry():
-    from fedhet.algorithms.server_opt import SERVER_OPTIMIZERS
-
-    return SERVER_OPTIMIZERS
 
 
 def build_federation(cfg: Config) -> FederatedDataset:
@@ -95,8 +86,8 @@ def build_federation(cfg: Config) -> FederatedDataset:
 
 def algorithm_config(cfg: Config) -> tuple[type[Algorithm], AlgoConfig]:
     """The algorithm class named in ``cfg`` and its validated hyper-parameters."""
-    entry = ALGORITHMS.get(cfg.algorithm.name)
-    return entry.obj, validate_params(entry.params, cfg.algorithm.params(), f"algorithm ({entry.name})")
+    entry, params = ALGORITHMS.parse(cfg.algorithm.name, cfg.algorithm.params())
+    return entry.obj, params
 
 
 def build_algorithm(cfg: Config, setup: Setup) -> Algorithm:
