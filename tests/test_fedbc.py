@@ -17,6 +17,7 @@ from fedhet.config import TrainSection, load_config
 from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation, build_federation, resolve_config
 from fedhet.models import build_model
+from fedhet.results.report import group_runs, load_runs, summary_table, to_markdown
 from fedhet.results.store import read_metrics
 
 A = torch.tensor([1.0, 3.0])
@@ -199,6 +200,9 @@ def test_fedbc_finetune_marks_the_test_data_variant(tiny_config, leaky):
     honest, marked = ("personal_leaky", "personal") if leaky else ("personal", "personal_leaky")
     assert final[f"{honest}_acc_macro"] > 0.3
     assert f"{marked}_acc_macro" not in final and f"{marked}_acc_micro" not in final
+    table = to_markdown(summary_table(group_runs(load_runs([sim.run_dir]))))
+    assert ("LEAKY personal acc" in table) == leaky and ("personal acc (macro)" in table) != leaky
+    assert "acc smallest client" in table and "client acc std" in table
 
 
 def test_per_fedbc_learns_and_personalises_from_the_global_model(tiny_config):

@@ -70,6 +70,19 @@ class Row:
     client_acc_worst10: float | None
     personal_acc_macro: float | None
     rounds: tuple[int, int]  # (fewest, most) rounds reached by a seed
+    extras: dict[str, float | None] = field(default_factory=dict)  # OPTIONAL_COLUMNS, mean of the finals
+
+
+# Personalised and fairness metrics shown as extra columns when some run recorded them. Personalisation that
+# fine-tuned on test data (FedBC-FineTune's protocol) is logged under personal_leaky_* and shown as such.
+OPTIONAL_COLUMNS = {
+    "personal_acc_micro": "personal acc (micro)",
+    "personal_leaky_acc_macro": "LEAKY personal acc (macro; tuned on test data)",
+    "personal_never_sampled": "never sampled",
+    "client_acc_std": "client acc std",
+    "acc_smallest_client": "acc smallest client",
+    "acc_largest_client": "acc largest client",
+}
 
 
 def load_runs(paths: list[str | Path]) -> list[Run]:
@@ -225,6 +238,7 @@ def summary_row(group: Group, metric: str) -> Row:
         client_acc_worst10=mean([r.final("client_acc_worst10") for r in runs]),
         personal_acc_macro=mean([r.final("personal_acc_macro") for r in runs]),
         rounds=(min(rounds), max(rounds)),
+        extras={key: mean([r.final(key) for r in runs]) for key in OPTIONAL_COLUMNS},
     )
 
 
@@ -240,6 +254,8 @@ def table_cells(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
     personal = any(r.personal_acc_macro is not None for r in rows)
     if personal:
         header.append("personal acc (macro)")
+    extras = [k for k in OPTIONAL_COLUMNS if any(r.extras.get(k) is not None for r in rows)]
+    header += [OPTIONAL_COLUMNS[k] for k in extras]
     header.append("rounds")
     cells = []
     for r in rows:
@@ -247,6 +263,7 @@ def table_cells(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
         line += [fmt(r.client_dist_acc, "acc"), fmt(r.client_acc_worst10, "acc")]
         if personal:
             line.append(fmt(r.personal_acc_macro, "acc"))
+        line += [fmt(r.extras.get(k), k) for k in extras]
         low, high = r.rounds
         line.append(str(high) if low == high else f"{low}–{high}")
         cells.append(line)
