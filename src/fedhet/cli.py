@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fedhet.errors import ConfigError, FedhetError
+from fedhet.flower.cli import flower_app
 
 app = typer.Typer(
     add_completion=False,
@@ -18,6 +19,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Federated learning on non-IID data: run, compare and report FL algorithms.",
 )
+app.add_typer(flower_app, name="flower")  # fedhet flower app | simulate | export (fedhet.flower.cli)
 # Piped output (CI logs, `| tee`) gets a wide console so tables are not squeezed to 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)

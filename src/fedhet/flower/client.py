@@ -1,0 +1,216 @@
+"""The ClientApp: what a SuperNode does with fedhet's messages.
+
+A SuperNode holds one or more clients of the federation, named by their client ids (Flower's ``partition-id``):
+
+* ``--node-config 'partition-id=3'`` (or ``partition-ids="0,1,2"`` / ``"0-9"``): the node rebuilds the federation
+  from the run's config (same dataset, partitioner and seed as the simulation) and keeps only its own partitions.
+  Flower's simulation sets ``partition-id`` for every virtual node.
+* ``--node-config 'partition-id=3 data-path="/data/site3.npz"'``: the node's own data from a local file (real private
+  data). The file holds model-ready arrays ``x``, ``y`` (and optionally ``x_test``, ``y_test`` for a local test split)
+  plus ``num_classes``; ``fedhet flower export`` writes such files from any fedhet federation
+  (``fedhet.flower.data``).
+
+The client update is the engine's ``ClientRunner``, built by the engine exactly as the in-process simulation builds
+it, so a client's reply depends only on (config, message, data, state), never on where it runs. Client-held state
+(SCAFFOLD's c_i, MOON's previous models) lives in the node's ``Context.state`` between rounds and is written back
+only when the client finishes cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, MetricRecord, RecordDict
+from flwr.app import Message as FlowerMessage
+from flwr.clientapp import ClientApp
+from rich.console import Console
+
+from fedhet.algorithms.base import ClientData
+from fedhet.config import Config
+from fedhet.data.federated import FederatedDataset
+from fedhet.engine.client import ClientRunner
+from fedhet.errors import ConfigError
+from fedhet.flower import codec
+from fedhet.flower.data import load_client_file
+
+CLIENT_ERROR = 2  # flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+LABEL_COUNTS = "fedhet.label_counts"
+
+
+@dataclass
+class NodeClients:
+    """The clients one node holds, and the runner that trains them."""
+
+    runner: ClientRunner
+    clients: dict[int, ClientData]
+    from_file: bool
+
+    def data(self, cid: int) -> ClientData:
+        if cid not in self.clients:
+            raise ConfigError(f"this node holds clients {sorted(self.clients)}, not client {cid}")
+        return self.clients[cid]
+
+
+# One entry per process: in Flower's Ray simulation an actor serves many virtual nodes and keeps the federation and
+# runner for the run's config (exactly like the in-process simulation, one runner serves every client).
+_federations: dict[str, FederatedDataset] = {}
+_runners: dict[tuple[str, int, tuple[int, ...]], ClientRunner] = {}
+
+
+def config_key(cfg: Config) -> str:
+    return json.dumps(cfg.to_dict(), sort_keys=True)
+
+
+def cached_federation(cfg: Config) -> FederatedDataset:
+    from fedhet.engine.simulation import build_federation
+
+    key = config_key(cfg)
+    if key not in _federations:
+        _federations.clear()
+        _federations[key] = build_federation(cfg)
+    return _federations[key]
+
+
+def shape_only_federation(cfg: Config, num_classes: int, input_shape: tuple[int, ...]) -> FederatedDataset:
+    """A federation with the right number of clients, classes and input shape but no data (to size a model)."""
+    n = cfg.partition.num_clients
+    empty = ClientData(x=torch.zeros(0, *input_shape), y=torch.zeros(0, dtype=torch.long), num_classes=num_classes)
+    return FederatedDataset(
+        name=cfg.dataset.name,
+        clients=[empty] * n,
+        x_test=empty.x,
+        y_test=empty.y,
+        num_classes=num_classes,
+        input_shape=tuple(input_shape),
+        train_counts=np.zeros((n, num_classes), dtype=np.int64),
+        test_source="none",
+    )
+
+
+def cached_runner(cfg: Config, fed: FederatedDataset) -> ClientRunner:
+    """The ClientRunner that ``Simulation`` builds for this config: same model, seeds, algorithm and augmentation."""
+    from fedhet.engine.simulation import Simulation
+
+    key = (config_key(cfg), fed.num_classes, tuple(fed.input_shape))
+    if key not in _runners:
+        _runners.clear()
+        sim = Simulation(cfg, fed=fed, console=Console(quiet=True))
+        _runners[key] = sim.executor.runner
+    return _runners[key]
+
+
+def partition_ids(node_config: dict[str, Any], num_clients: int) -> list[int]:
+    """The client ids a node holds: ``partition-id`` (an int) or ``partition-ids`` ("0,3,5" or "0-9")."""
+    if "partition-ids" in node_config:
+        ids: list[int] = []
+        for part in str(node_config["partition-ids"]).replace(" ", "").split(","):
+            lo, _, hi = part.partition("-")
+            ids.extend(range(int(lo), int(hi or lo) + 1))
+    elif "partition-id" in node_config:
+        ids = [int(node_config["partition-id"])]
+    else:
+        raise ConfigError("node config needs partition-id (or partition-ids), e.g. --node-config 'partition-id=0'")
+    if "num-partitions" in node_config and int(node_config["num-partitions"]) != num_clients:
+        raise ConfigError(
+            f"node config num-partitions={node_config['num-partitions']} but the run's config has "
+            f"partition.num_clients={num_clients}"
+        )
+    bad = [i for i in ids if not 0 <= i < num_clients]
+    if bad:
+        raise ConfigError(f"partition ids {bad} are outside 0..{num_clients - 1} (partition.num_clients={num_clients})")
+    return ids
+
+
+def node_clients(cfg: Config, node_config: dict[str, Any]) -> NodeClients:
+    n = cfg.partition.num_clients
+    if "data-path" in node_config:
+        cids = partition_ids(node_config, n)
+        if len(cids) != 1:
+            raise ConfigError("a node with data-path holds exactly one client: give one partition-id")
+        data = load_client_file(str(node_config["data-path"]), cfg.run.device)
+        fed = shape_only_federation(cfg, data.num_classes, tuple(data.x.shape[1:]))
+        return NodeClients(cached_runner(cfg, fed), {cids[0]: data}, from_file=True)
+    fed = cached_federation(cfg)
+    runner = cached_runner(cfg, fed)
+    return NodeClients(runner, {cid: fed.clients[cid] for cid in partition_ids(node_config, n)}, from_file=False)
+
+
+# --------------------------------------------------------------------------------------------- message handlers
+def describe(node: NodeClients) -> RecordDict:
+    """The node's answer to the server's first query: which clients it holds (and, for file data, their label
+    counts, which the server needs for the per-client-distribution metrics since it never sees the data)."""
+    cids = sorted(node.clients)
+    content = RecordDict({codec.META: ConfigRecord({"cids": cids, "from_file": node.from_file})})
+    if node.from_file:
+        counts = {str(c): node.clients[c].label_counts().long() for c in cids}
+        content[LABEL_COUNTS] = codec.tensors_to_record(counts)
+    return content
+
+
+def train(node: NodeClients, msg: FlowerMessage, context: Context, device: str) -> RecordDict:
+    fed_msg, meta = codec.decode_message(msg.content, device)
+    cid = int(meta["cid"])
+    state = codec.load_state(context.state, cid, device)
+    reply, state = node.runner.run(
+        cid, int(meta["round"]), int(meta["phase_idx"]), str(meta["phase"]), fed_msg, node.data(cid), state
+    )
+    codec.save_state(context.state, cid, state)  # only reached when the client finished cleanly
+    return codec.encode_reply(reply)
+
+
+def personal_accuracy(node: NodeClients, msg: FlowerMessage, context: Context, device: str) -> RecordDict:
+    fed_msg, meta = codec.decode_message(msg.content, device)
+    cid = int(meta["cid"])
+    state = codec.load_state(context.state, cid, device)
+    acc = node.runner.personal_accuracy(
+        cid, int(meta["round"]), fed_msg, node.data(cid), state, int(meta["batch_size"])
+    )
+    values = {} if acc is None else {"correct": acc[0], "total": acc[1]}
+    return RecordDict({codec.METRICS: MetricRecord(values)})
+
+
+def respond(msg: FlowerMessage, work: Callable[[], RecordDict]) -> FlowerMessage:
+    """Reply with ``work()``'s records, or with an error naming the exception (the server drops that client)."""
+    try:
+        return FlowerMessage(work(), reply_to=msg)
+    except Exception as err:  # a failing client is dropped from the round, never the node
+        where = " | ".join(traceback.format_exc(limit=4).splitlines()[-4:])
+        return FlowerMessage(Error(code=CLIENT_ERROR, reason=f"{type(err).__name__}: {err} [{where}]"), reply_to=msg)
+
+
+def make_client_app(load_config: Callable[[Context], Config]) -> ClientApp:
+    """A ClientApp for the run whose fedhet config ``load_config(context)`` returns."""
+    app = ClientApp()
+
+    def handle(msg: FlowerMessage, context: Context, handler) -> FlowerMessage:
+        def work() -> RecordDict:
+            cfg = load_config(context)
+            node = node_clients(cfg, dict(context.node_config))
+            return handler(node, msg, context, cfg.run.device)
+
+        return respond(msg, work)
+
+    @app.query()
+    def _query(msg: FlowerMessage, context: Context) -> FlowerMessage:
+        return handle(msg, context, lambda node, *_: describe(node))
+
+    @app.train()
+    def _train(msg: FlowerMessage, context: Context) -> FlowerMessage:
+        return handle(msg, context, train)
+
+    @app.evaluate()
+    def _evaluate(msg: FlowerMessage, context: Context) -> FlowerMessage:
+        return handle(msg, context, personal_accuracy)
+
+    return app
+
+
+def label_counts_from(content: RecordDict) -> dict[int, np.ndarray]:
+    record: ArrayRecord = content[LABEL_COUNTS]
+    return {int(k): v.cpu().numpy() for k, v in codec.record_to_tensors(record).items()}
