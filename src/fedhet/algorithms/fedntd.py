@@ -1,0 +1,75 @@
+"""FedNTD (Lee, Jeong, Shin, Yun and Oh, NeurIPS 2022): not-true distillation from the global model.
+
+Local loss = CE(z, y) + β τ² KL( softmax(g̃/τ) ‖ softmax(z̃/τ) ), where z are the local logits, g the logits of
+the received global model (frozen, no gradient) on the same batch, and ~ removes the true-class column, so the
+global model's knowledge about the *other* classes is kept while the true class is learnt freely. The KL is summed
+over classes and averaged over the batch (``KLDivLoss(reduction="batchmean")``), as in the official
+``Lee-Gihun/FedNTD`` ``algorithms/fedntd/criterion.py`` (the τ² factor is in its latest version; with the default
+τ = 1 it changes nothing). The global model runs in eval mode.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from fedhet.algorithms.base import ALGORITHMS, ClientContext, Setup
+from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
+from fedhet.engine.flat import FlatModel
+
+if TYPE_CHECKING:
+    from fedhet.algorithms.server_opt import ServerOptimizer
+
+
+class FedNTDConfig(FedAvgConfig):
+    tau: float = Field(1.0, gt=0.0)  # official config/fedntd.json (the NTD_Loss class default is 3)
+    beta: float = Field(1.0, ge=0.0)  # official config/fedntd.json; FedRCL runs FedNTD with 0.3 (App. E)
+
+
+def not_true(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """(B, C) logits -> (B, C - 1) without each row's true-class column, other columns in order."""
+    keep = ~F.one_hot(y, logits.shape[1]).bool()
+    return logits[keep].view(len(y), -1)
+
+
+def ntd_loss(logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor, tau: float) -> torch.Tensor:
+    """τ² KL(softmax(g̃/τ) ‖ softmax(z̃/τ)), summed over classes, averaged over the batch."""
+    log_q = F.log_softmax(not_true(logits, y) / tau, dim=1)
+    log_p = F.log_softmax(not_true(global_logits, y).detach() / tau, dim=1)
+    return tau**2 * F.kl_div(log_q, log_p, reduction="batchmean", log_target=True)
+
+
+@ALGORITHMS.register(
+    "fedntd", "FedNTD (Lee et al. 2022): CE + not-true distillation from the global model", FedNTDConfig
+)
+class FedNTD(FedAvg):
+    name = "fedntd"
+    Config = FedNTDConfig
+
+    def __init__(self, config: FedNTDConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
+        super().__init__(config, setup, server_opt)
+        self._global: FlatModel | None = None  # the frozen received model, built once and reloaded every round
+
+    def frozen_global(self, ctx: ClientContext) -> FlatModel:
+        if self._global is None:
+            with torch.random.fork_rng(devices=[]):  # building must not shift the run's random stream
+                self._global = FlatModel(self.setup.build_model().eval())
+        self._global.set_params(ctx.global_params)
+        self._global.set_buffers(ctx.message.tensors.get("buffers", torch.zeros(0)))
+        return self._global
+
+    def before_local(self, ctx: ClientContext) -> None:
+        ctx.scratch["ntd_global"] = self.frozen_global(ctx).model if self.config.beta > 0 else None
+
+    def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = ctx.model(x)
+        loss = F.cross_entropy(logits, y)
+        teacher = ctx.scratch["ntd_global"]
+        if teacher is None:
+            return loss
+        with torch.no_grad():
+            global_logits = teacher(x)
+        return loss + self.config.beta * ntd_loss(logits, global_logits, y, self.config.tau)
