@@ -55,8 +55,9 @@ def pyproject(name: str, cfg: Config) -> dict[str, Any]:
             "version": "1.0.0",
             "description": f"fedhet {cfg.algorithm.name} on {cfg.dataset.name} ({cfg.partition.name} split) on Flower",
             "license": "Apache-2.0",
-            # fedhet itself is installed on every machine beforehand (see docs/deploy.md); flwr is never reinstalled.
-            "dependencies": ["flwr[simulation]==1.41.0"],
+            # None: fedhet[flower] is installed on every machine beforehand (docs/deploy.md). A SuperLink that
+            # installs app dependencies (`uv sync`) would otherwise put a second numpy/torch stack next to it.
+            "dependencies": [],
         },
         "tool": {
             "hatch": {"build": {"targets": {"wheel": {"packages": ["."]}}}},
