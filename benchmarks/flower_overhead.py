@@ -10,7 +10,8 @@ reported separately. Both runs must reach the same final accuracy (the client up
     nice -n 10 python benchmarks/flower_overhead.py [--rounds 5] [--workers 1 2] [--threads 1]
 
 With one worker both runtimes use one core, so the ratio is Flower's overhead; with more workers Flower trains
-several clients at once.
+several clients at once. Each round is reported in wall seconds and in CPU seconds of this process and its children
+(Ray's processes included), the steadier number on a shared machine.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import statistics
 import time
 from collections import defaultdict
+from pathlib import Path
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # no calls home from Flower (read when flwr loads)
 
@@ -43,28 +45,57 @@ def make_config(rounds: int, name: str):
     )
 
 
+def tree_cpu_s(root: int | None = None) -> float:
+    """CPU seconds (user + system) used so far by this process and every live process below it (Ray's raylet,
+    GCS and ClientApp workers are started by this process). On a shared machine CPU time is a steadier measure
+    than wall time, which grows with everyone else's load."""
+    root = root or os.getpid()
+    stats, children = {}, defaultdict(list)
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                fields = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            stats[int(entry.name)] = fields
+            children[int(fields[1])].append(int(entry.name))
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            total += int(stats[pid][11]) + int(stats[pid][12])  # utime, stime in clock ticks
+        todo.extend(children.get(pid, []))
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 class TimedSimulation(Simulation):
-    """Records the seconds of each round's phases (configure, clients, aggregate); evaluation is not included."""
+    """Records wall and CPU seconds of each round's phases (configure, clients, aggregate); not evaluation."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.round_s: dict[int, float] = defaultdict(float)
+        self.round_cpu_s: dict[int, float] = defaultdict(float)
 
     def run_phase(self, rnd, phase_idx, phase, cids):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), tree_cpu_s()
         result = super().run_phase(rnd, phase_idx, phase, cids)
         self.round_s[rnd] += time.perf_counter() - start
+        self.round_cpu_s[rnd] += tree_cpu_s() - cpu
         return result
 
+    def times(self) -> tuple[list[float], list[float]]:
+        rounds = sorted(self.round_s)
+        return [self.round_s[r] for r in rounds], [self.round_cpu_s[r] for r in rounds]
 
-def fedhet_rounds(rounds: int) -> tuple[list[float], float]:
+
+def fedhet_rounds(rounds: int) -> tuple[tuple[list[float], list[float]], float]:
     cfg = make_config(rounds, "fedhet")
     sim = TimedSimulation(cfg, fed=build_federation(cfg))
     summary = sim.run(overwrite=True)
-    return [sim.round_s[r] for r in sorted(sim.round_s)], summary["final"]["test_acc"]
+    return sim.times(), summary["final"]["test_acc"]
 
 
-def flower_rounds(rounds: int, workers: int) -> tuple[list[float], float, dict[str, float]]:
+def flower_rounds(rounds: int, workers: int) -> tuple[tuple[list[float], list[float]], float, dict[str, float]]:
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
     from flwr.simulation import run_simulation
@@ -79,13 +110,13 @@ def flower_rounds(rounds: int, workers: int) -> tuple[list[float], float, dict[s
     @server.main()
     def _main(grid: Grid, context: Context) -> None:
         # fedhet.flower.app.run_server, with the timed Simulation and the start-up steps timed
-        nodes = discover(grid, cfg.partition.num_clients, 600.0, Exchange(grid, timeout=600.0))
+        nodes = discover(grid, cfg.partition.num_clients, 600.0)
         out["discovered"] = time.perf_counter()
         sim = TimedSimulation(
             cfg, fed=server_federation(cfg, nodes), executor=FlowerExecutor(grid, nodes, Exchange(grid))
         )
         out["summary"] = sim.run(overwrite=True)
-        out["round_s"] = [sim.round_s[r] for r in sorted(sim.round_s)]
+        out["times"] = sim.times()
 
     start = time.perf_counter()
     run_simulation(
@@ -98,14 +129,19 @@ def flower_rounds(rounds: int, workers: int) -> tuple[list[float], float, dict[s
         "ray_start_and_node_discovery_s": out["discovered"] - start,
         "total_wall_s": time.perf_counter() - start,
     }
-    return out["round_s"], out["summary"]["final"]["test_acc"], one_off
+    return out["times"], out["summary"]["final"]["test_acc"], one_off
 
 
-def describe(name: str, times: list[float]) -> str:
-    later = times[1:] or times
+def median_later(values: list[float]) -> float:
+    """Median over rounds 2.. (round 1 warms caches up)."""
+    return statistics.median(values[1:] or values)
+
+
+def describe(name: str, times: tuple[list[float], list[float]]) -> str:
+    wall, cpu = times
     return (
-        f"{name:<26} round 1 {times[0]:6.2f} s | rounds 2..{len(times)}: mean {statistics.mean(later):6.2f} s, "
-        f"median {statistics.median(later):6.2f} s"
+        f"{name:<26} wall s/round: round 1 {wall[0]:6.2f}, median of 2..{len(wall)} {median_later(wall):6.2f} | "
+        f"CPU s/round: round 1 {cpu[0]:6.2f}, median of 2..{len(cpu)} {median_later(cpu):6.2f}"
     )
 
 
@@ -120,13 +156,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     fed_times, fed_acc = fedhet_rounds(args.rounds)
-    fed_median = statistics.median(fed_times[1:] or fed_times)
     lines = [describe(f"fedhet simulation ({args.threads} thr)", fed_times)]
     for workers in args.workers:
         flw_times, flw_acc, one_off = flower_rounds(args.rounds, workers)
-        ratio = statistics.median(flw_times[1:] or flw_times) / fed_median
+        wall_ratio = median_later(flw_times[0]) / median_later(fed_times[0])
+        cpu_ratio = median_later(flw_times[1]) / median_later(fed_times[1])
         lines += [
-            describe(f"Flower Ray ({workers} workers)", flw_times) + f" | ratio to fedhet {ratio:.2f}x",
+            describe(f"Flower Ray ({workers} workers)", flw_times),
+            f"    ratio Flower / fedhet: wall {wall_ratio:.2f}x, CPU {cpu_ratio:.2f}x",
             "    one-off: " + ", ".join(f"{k} {v:.1f}" for k, v in one_off.items()),
             f"    final test accuracy: fedhet {fed_acc:.4f}, Flower {flw_acc:.4f}",
         ]

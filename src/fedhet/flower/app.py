@@ -63,7 +63,7 @@ def run_server(grid: Grid, cfg: Config, options: RunOptions, console: Console | 
     from fedhet.engine.simulation import Simulation, resolve_config
 
     resolve_config(cfg)  # a wrong name or value fails here, before waiting for any node
-    nodes = discover(grid, cfg.partition.num_clients, options.node_wait, Exchange(grid, timeout=options.node_wait))
+    nodes = discover(grid, cfg.partition.num_clients, options.node_wait)
     executor = FlowerExecutor(grid, nodes, Exchange(grid, timeout=options.round_timeout or None), cfg.run.device)
     sim = Simulation(cfg, fed=server_federation(cfg, nodes), console=console, executor=executor)
     return sim.run(resume=options.resume, overwrite=options.overwrite)

@@ -79,7 +79,7 @@ def error_text(reply: FlowerMessage) -> str:
     return f"node {reply.metadata.src_node_id}: {reply.error.reason or f'error code {reply.error.code}'}"
 
 
-def discover(grid: Grid, num_clients: int, wait_s: float, exchange: Exchange) -> Nodes:
+def discover(grid: Grid, num_clients: int, wait_s: float) -> Nodes:
     """Ask every node which clients it holds, until all ``num_clients`` are held (or ``wait_s`` passes)."""
     nodes, asked = Nodes(), set()
     deadline = time.monotonic() + wait_s
@@ -87,6 +87,7 @@ def discover(grid: Grid, num_clients: int, wait_s: float, exchange: Exchange) ->
         new = [n for n in grid.get_node_ids() if n not in asked]
         if new:
             queries = {n: FlowerMessage(RecordDict(), dst_node_id=n, message_type="query") for n in new}
+            exchange = Exchange(grid, timeout=max(1.0, deadline - time.monotonic()))
             replies, _ = exchange(queries)  # a node that does not answer is asked again next time
             for node_id, reply in replies.items():
                 asked.add(node_id)
