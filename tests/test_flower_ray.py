@@ -24,6 +24,7 @@ def records(run_dir) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k != "elapsed_s"} for line in lines]
 
 
+@pytest.mark.slow  # Ray start-up (runs in `make test`; `-m "not slow"` skips it)
 def test_ray_simulation_matches_the_in_process_simulation(tiny_config, tmp_path):
     def cfg(name):
         return tiny_config(
