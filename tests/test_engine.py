@@ -56,16 +56,12 @@ def test_different_seed_changes_the_run(tiny_config):
 
 
 @pytest.mark.parametrize("server", [{"name": "sgd"}, {"name": "fedadam", "lr": 0.01}])
-def test_kill_and_resume_is_bit_exact(tiny_config, server):
-    full = Simulation(
-        tiny_config(run={"name": "full", "rounds": 4}, algorithm={"name": "fedprox", "mu": 0.1}, server=server)
+def test_kill_and_resume_is_bit_exact(tiny_config, kill_and_resume, server):
+    algo = {"name": "fedprox", "mu": 0.1}
+    full, resumed = kill_and_resume(
+        lambda name: tiny_config(run={"name": name, "rounds": 4}, algorithm=algo, server=server)
     )
-    full.run()
-    cut_cfg = tiny_config(run={"name": "cut", "rounds": 4}, algorithm={"name": "fedprox", "mu": 0.1}, server=server)
-    Simulation(cut_cfg).run(stop_after=2)  # the "kill": the process ends after round 2's checkpoint
-    resumed = Simulation(cut_cfg)
-    summary = resumed.run(resume=True)
-    assert summary["rounds_done"] == 4
+    assert json.loads((resumed.run_dir / "summary.json").read_text())["rounds_done"] == 4
     r_full = read_metrics(full.run_dir / "metrics.jsonl")
     r_cut = read_metrics(resumed.run_dir / "metrics.jsonl")
     assert stable(r_full) == stable(r_cut)

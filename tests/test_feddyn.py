@@ -119,14 +119,9 @@ def test_feddyn_learns_on_digits(tiny_config):
     assert summary["final"]["test_acc"] > 0.8, summary["final"]
 
 
-def test_feddyn_kill_and_resume_is_bit_exact(tiny_config):
+def test_feddyn_kill_and_resume_is_bit_exact(tiny_config, kill_and_resume):
     algo = {"name": "feddyn", "alpha": 0.1, "alpha_scaling": "data_size"}
-    full = Simulation(tiny_config(run={"name": "full", "rounds": 4}, algorithm=algo))
-    full.run()
-    cut_cfg = tiny_config(run={"name": "cut", "rounds": 4}, algorithm=algo)
-    Simulation(cut_cfg).run(stop_after=2)
-    resumed = Simulation(cut_cfg)
-    resumed.run(resume=True)
+    full, resumed = kill_and_resume(lambda name: tiny_config(run={"name": name, "rounds": 4}, algorithm=algo))
     assert (
         read_metrics(full.run_dir / "metrics.jsonl")[-1]["test_acc"]
         == (read_metrics(resumed.run_dir / "metrics.jsonl")[-1]["test_acc"])

@@ -141,15 +141,13 @@ def test_mu_zero_is_fedavg_with_an_untouched_projector(tiny_config):
     torch.testing.assert_close(moon.algo.global_params[n:], init[n:])
 
 
-def test_moon_learns_on_digits_and_resumes_bit_exact(tiny_config):
+def test_moon_learns_on_digits_and_resumes_bit_exact(tiny_config, kill_and_resume):
     algo = {"name": "moon", "mu": 1.0, "pool_size": 2}
-    full = Simulation(tiny_config(run={"name": "full", "rounds": 5}, train={"participation": 1.0}, algorithm=algo))
-    summary = full.run()
-    assert summary["final"]["test_acc"] > 0.8, summary["final"]
-    cut_cfg = tiny_config(run={"name": "cut", "rounds": 5}, train={"participation": 1.0}, algorithm=algo)
-    Simulation(cut_cfg).run(stop_after=2)
-    resumed = Simulation(cut_cfg)
-    resumed.run(resume=True)
+    full, resumed = kill_and_resume(
+        lambda name: tiny_config(run={"name": name, "rounds": 5}, train={"participation": 1.0}, algorithm=algo)
+    )
+    final = read_metrics(full.run_dir / "metrics.jsonl")[-1]
+    assert final["test_acc"] > 0.8, final
     assert [r["test_acc"] for r in read_metrics(full.run_dir / "metrics.jsonl")] == [
         r["test_acc"] for r in read_metrics(resumed.run_dir / "metrics.jsonl")
     ]

@@ -142,14 +142,11 @@ def test_scaffold_learns_on_digits_and_c_is_the_mean_of_client_variates(tiny_con
     torch.testing.assert_close(sim.algo.c, mean_c_i)
 
 
-def test_kill_and_resume_is_bit_exact(tiny_config):
+def test_kill_and_resume_is_bit_exact(tiny_config, kill_and_resume):
     algo = {"name": "scaffold", "momentum_correction": True}
-    full = Simulation(tiny_config(run={"name": "full", "rounds": 4}, train={"momentum": 0.5}, algorithm=algo))
-    full.run()
-    cut_cfg = tiny_config(run={"name": "cut", "rounds": 4}, train={"momentum": 0.5}, algorithm=algo)
-    Simulation(cut_cfg).run(stop_after=2)
-    resumed = Simulation(cut_cfg)
-    assert resumed.run(resume=True)["rounds_done"] == 4
+    full, resumed = kill_and_resume(
+        lambda name: tiny_config(run={"name": name, "rounds": 4}, train={"momentum": 0.5}, algorithm=algo)
+    )
     keys = ("round", "test_acc", "test_loss", "train_loss", "c_norm")
     r_full, r_cut = (read_metrics(s.run_dir / "metrics.jsonl") for s in (full, resumed))
     assert [{k: r[k] for k in keys} for r in r_full] == [{k: r[k] for k in keys} for r in r_cut]

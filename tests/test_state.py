@@ -72,14 +72,9 @@ def test_scaffold_with_many_clients_keeps_states_on_disk(tiny_config):
 
 
 @pytest.mark.parametrize("kind", ["disk", "auto"])
-def test_resume_is_bit_exact_with_state_on_disk(tiny_config, kind):
+def test_resume_is_bit_exact_with_state_on_disk(tiny_config, kill_and_resume, kind):
     budget = {"client_state_budget_mb": 0.001} if kind == "auto" else {}  # auto spills in round 1
-    full = Simulation(many_clients(tiny_config, name="full", client_state=kind, **budget))
-    full.run()
-    cut_cfg = many_clients(tiny_config, name="cut", client_state=kind, **budget)
-    Simulation(cut_cfg).run(stop_after=2)
-    resumed = Simulation(cut_cfg)
-    resumed.run(resume=True)
+    full, resumed = kill_and_resume(lambda name: many_clients(tiny_config, name=name, client_state=kind, **budget))
     torch.testing.assert_close(full.algo.global_params, resumed.algo.global_params, rtol=0, atol=0)
     keys = ("round", "test_acc", "test_loss")
     assert [{k: r[k] for k in keys} for r in read_metrics(full.run_dir / "metrics.jsonl")] == [
