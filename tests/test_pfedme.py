@@ -67,6 +67,40 @@ def test_theta_and_local_model_steps_match_hand_computation(mu):
     torch.testing.assert_close(ctx.message.tensors["params"], z)  # the message is never written
 
 
+class NormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(self.norm(x))
+
+
+def test_reply_carries_the_normalisation_statistics_of_theta():
+    train = TrainSection(batch_size=8, local_steps=2, lr=0.1)
+    algo = PFedMe(PFedMeConfig(), Setup(2, num_classes=3, train=train, build_model=NormNet))
+    model = NormNet()
+    flat = FlatModel(model)
+    algo.init_server(flat.get_params(), flat.get_buffers())
+    data = ClientData(torch.randn(16, 4) * 3 + 2, torch.randint(0, 3, (16,)), 3)
+    ctx = ClientContext(
+        0,
+        1,
+        "train",
+        algo.configure(1, [0], "train")[0],
+        data,
+        {},
+        model,
+        flat,
+        train,
+        torch.Generator().manual_seed(0),
+    )
+    reply = algo.client_update(ctx)
+    torch.testing.assert_close(reply.tensors["buffers"], algo.theta_model().get_buffers())
+    assert not torch.equal(reply.tensors["buffers"], algo.global_buffers)  # theta's running means moved
+
+
 def test_pfedme_learns_and_reports_personalised_accuracy(tiny_config):
     cfg = tiny_config(
         run={"rounds": 5},

@@ -96,7 +96,11 @@ class PFedMe(FedAvg):
         ctx.flat.grad.copy_(c.lam * (w - theta.params))
 
     def after_local(self, ctx: ClientContext) -> Reply:
-        ctx.state["personal"] = ctx.scratch["theta"].get_params()
+        theta: FlatModel = ctx.scratch["theta"]
+        ctx.state["personal"] = theta.get_params()
+        # Only theta runs forward passes, so its normalisation statistics are the round's; the official client
+        # likewise sends its model's buffers (theta's) with the local parameters w.
+        ctx.flat.set_buffers(theta.get_buffers())
         return super().after_local(ctx)
 
     def personalize(self, ctx: ClientContext) -> torch.Tensor | None:
