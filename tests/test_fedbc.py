@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
+from quadratic import A, B, TwoParams, quadratic_loss
 
 from fedhet.algorithms import Reply, Setup
 from fedhet.algorithms.base import ClientContext, ClientData
@@ -20,22 +20,14 @@ from fedhet.models import build_model
 from fedhet.results.report import group_runs, load_runs, summary_table, to_markdown
 from fedhet.results.store import read_metrics
 
-A = torch.tensor([1.0, 3.0])
-B = torch.tensor([0.5, -1.0])
 POWER_LAW = Path(__file__).parents[1] / "benchmarks" / "reproduce" / "fedbc" / "cifar10_powerlaw.toml"
-
-
-class TwoParams(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(2))
 
 
 class QuadraticFedBC(FedBC):
     """Task loss 1/2 sum_j A_j (w_j - B_j)^2, gradient A (w - B)."""
 
     def local_loss(self, ctx, x, y):
-        return 0.5 * (A * (ctx.model.w - B).pow(2)).sum()
+        return quadratic_loss(ctx.model)
 
 
 def make_algo(num_clients=4, train=None, cls=FedBC, **cfg) -> FedBC:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from quadratic import A, B, TwoParams, quadratic_loss
 
 from fedhet.algorithms import Setup
 from fedhet.algorithms.base import ClientContext, ClientData
@@ -16,21 +16,12 @@ from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation
 from fedhet.models import build_model
 
-A = torch.tensor([1.0, 3.0])
-B = torch.tensor([0.5, -1.0])
-
-
-class TwoParams(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(2))
-
 
 class QuadraticPerFedAvg(PerFedAvg):
     """f(w) = 1/2 sum_j A_j (w_j - B_j)^2 on every batch: gradient A (w - B), Hessian diag(A)."""
 
     def task_loss(self, ctx, x, y):
-        return 0.5 * (A * (ctx.model.w - B).pow(2)).sum()
+        return quadratic_loss(ctx.model)
 
 
 def make_ctx(msg, model, train, data=None, seed=0):

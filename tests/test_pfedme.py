@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from quadratic import A, B, TwoParams
 from torch import nn
 
 from fedhet.algorithms import Setup
@@ -13,15 +14,6 @@ from fedhet.algorithms.pfedme import PFedMe, PFedMeConfig
 from fedhet.config import TrainSection
 from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation
-
-A = torch.tensor([1.0, 3.0])
-B = torch.tensor([0.5, -1.0])
-
-
-class TwoParams(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(2))
 
 
 class QuadraticPFedMe(PFedMe):
