@@ -81,6 +81,8 @@ class ClientRunner:
         if personal is None:
             return None
         self.flat.set_params(personal)
+        if "buffers" in msg.tensors:  # normalisation statistics: the global ones, never a previous client's leftovers
+            self.flat.set_buffers(msg.tensors["buffers"])
         stats = evaluate(self.model, data.x_test, data.y_test, data.num_classes, batch_size)
         return int(round(stats.correct.sum())), stats.n
 
