@@ -33,7 +33,7 @@ from fedhet.engine.evaluate import evaluate_global
 from fedhet.engine.flat import FlatModel
 from fedhet.engine.state import build_state_store
 from fedhet.errors import ConfigError
-from fedhet.results.store import MetricsLog, read_json, truncate_after, write_json_atomic
+from fedhet.results.store import MetricsLog, truncate_after, write_json_atomic
 
 
 def resolve_config(cfg: Config) -> dict[str, Any]:
@@ -315,8 +315,3 @@ class Simulation:
             disable=not self.cfg.run.progress,
             transient=False,
         )
-
-
-def existing_summary(run_dir: Path) -> dict[str, Any] | None:
-    p = run_dir / "summary.json"
-    return read_json(p) if p.exists() else None
