@@ -21,8 +21,8 @@ app = typer.Typer(
 )
 app.add_typer(flower_app, name="flower")  # fedhet flower app | simulate | export (fedhet.flower.cli)
 # Piped output (CI logs, `| tee`) gets a wide console so tables are not squeezed to 80 columns.
-console = Console(width=None if sys.stdout.isatty() else 160)
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+console = Console(width=None if sys.stdout.isatty() else 200)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override, e.g. -s train.lr=0.05 (repeat).")]

@@ -282,8 +282,11 @@ def fmt(value: float | None, metric: str, std: float | None = None) -> str:
 def print_table(rows: list[Row], console: Console | None = None, title: str | None = None) -> None:
     header, cells = table_cells(rows)
     table = Table(title=title)
+    label_width = max([len(line[0]) for line in cells] + [12])  # labels are what a reader scans: never cut them
     for i, name in enumerate(header):
-        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True, min_width=12 if i == 0 else None)
+        table.add_column(
+            name, justify="left" if i == 0 else "right", no_wrap=True, min_width=label_width if i == 0 else None
+        )
     for line in cells:
         table.add_row(*line)
     (console or Console()).print(table)
