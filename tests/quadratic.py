@@ -20,3 +20,23 @@ class TwoParams(nn.Module):
 
 def quadratic_loss(model: TwoParams) -> torch.Tensor:
     return 0.5 * (A * (model.w - B).pow(2)).sum()
+
+
+def client_context(msg, model, train, *, data=None, state=None, cid: int = 0, seed: int | None = None):
+    """A round-1 ClientContext around ``model`` for hand-computed client-side checks (dummy data by default)."""
+    from fedhet.algorithms.base import ClientContext, ClientData
+    from fedhet.engine.flat import FlatModel
+
+    data = data or ClientData(torch.zeros(4, 1), torch.zeros(4, dtype=torch.long), 3)
+    return ClientContext(
+        cid=cid,
+        round=1,
+        phase="train",
+        message=msg,
+        data=data,
+        state={} if state is None else state,
+        model=model,
+        flat=FlatModel(model),
+        train=train,
+        generator=torch.Generator().manual_seed(cid if seed is None else seed),
+    )

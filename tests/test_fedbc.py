@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from quadratic import A, B, TwoParams, quadratic_loss
+from quadratic import A, B, TwoParams, client_context, quadratic_loss
 
 from fedhet.algorithms import Reply, Setup
-from fedhet.algorithms.base import ClientContext, ClientData
+from fedhet.algorithms.base import ClientData
 from fedhet.algorithms.fedbc import FedBC, FedBCConfig
 from fedhet.algorithms.fedprox import FedProx, FedProxConfig
 from fedhet.config import TrainSection, load_config
@@ -37,19 +37,7 @@ def make_algo(num_clients=4, train=None, cls=FedBC, **cfg) -> FedBC:
 
 
 def make_ctx(cid, msg, model, train, state, data=None):
-    data = data or ClientData(torch.zeros(4, 1), torch.zeros(4, dtype=torch.long), 3)
-    return ClientContext(
-        cid=cid,
-        round=1,
-        phase="train",
-        message=msg,
-        data=data,
-        state=state,
-        model=model,
-        flat=FlatModel(model),
-        train=train,
-        generator=torch.Generator().manual_seed(cid),
-    )
+    return client_context(msg, model, train, data=data, state=state, cid=cid)
 
 
 def test_dual_and_gamma_steps_match_hand_computation():

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from quadratic import A, B, TwoParams, quadratic_loss
+from quadratic import A, B, TwoParams, client_context, quadratic_loss
 
 from fedhet.algorithms import Setup
-from fedhet.algorithms.base import ClientContext, ClientData
+from fedhet.algorithms.base import ClientData
 from fedhet.algorithms.perfedavg import PerFedAvg, PerFedAvgConfig
 from fedhet.config import TrainSection
 from fedhet.engine.flat import FlatModel
@@ -26,18 +26,7 @@ class QuadraticPerFedAvg(PerFedAvg):
 
 def make_ctx(msg, model, train, data=None, seed=0):
     data = data or ClientData(torch.zeros(6, 1), torch.zeros(6, dtype=torch.long), 3)
-    return ClientContext(
-        cid=0,
-        round=1,
-        phase="train",
-        message=msg,
-        data=data,
-        state={},
-        model=model,
-        flat=FlatModel(model),
-        train=train,
-        generator=torch.Generator().manual_seed(seed),
-    )
+    return client_context(msg, model, train, data=data, seed=seed)
 
 
 def make_algo(cls, train, **cfg):

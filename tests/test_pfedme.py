@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quadratic import A, B, TwoParams
+from quadratic import A, B, TwoParams, client_context
 from torch import nn
 
 from fedhet.algorithms import Setup
@@ -34,18 +34,7 @@ def test_theta_and_local_model_steps_match_hand_computation(mu):
     z = torch.tensor([2.0, 1.0])
     algo.init_server(z, torch.zeros(0))
     model = TwoParams()
-    ctx = ClientContext(
-        cid=0,
-        round=1,
-        phase="train",
-        message=algo.configure(1, [0], "train")[0],
-        data=ClientData(torch.zeros(4, 1), torch.zeros(4, dtype=torch.long), 3),
-        state={},
-        model=model,
-        flat=FlatModel(model),
-        train=train,
-        generator=torch.Generator().manual_seed(0),
-    )
+    ctx = client_context(algo.configure(1, [0], "train")[0], model, train)
     reply = algo.client_update(ctx)
 
     w, theta = z.clone(), z.clone()  # both start from the global model; theta carries over between iterations

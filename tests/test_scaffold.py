@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quadratic import A, B, TwoParams, quadratic_loss
+from quadratic import A, B, TwoParams, client_context, quadratic_loss
 
 from fedhet.algorithms import Reply, Setup
-from fedhet.algorithms.base import ClientContext, ClientData
+from fedhet.algorithms.base import ClientData
 from fedhet.algorithms.scaffold import Scaffold, ScaffoldConfig
 from fedhet.algorithms.server_opt import ServerOptimizer, SgdParams
 from fedhet.config import TrainSection
@@ -29,18 +29,7 @@ def make_setup(train: TrainSection, num_clients: int) -> Setup:
 
 
 def make_ctx(cid, msg, model, data, train, state):
-    return ClientContext(
-        cid=cid,
-        round=1,
-        phase="train",
-        message=msg,
-        data=data,
-        state=state,
-        model=model,
-        flat=FlatModel(model),
-        train=train,
-        generator=torch.Generator().manual_seed(cid),
-    )
+    return client_context(msg, model, train, data=data, state=state, cid=cid)
 
 
 @pytest.mark.parametrize(
