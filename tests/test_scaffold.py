@@ -33,7 +33,7 @@ def make_ctx(cid, msg, model, data, train, state):
 
 
 @pytest.mark.parametrize(
-    ("momentum", "correction", "divisor"), [(0.0, False, 3.0), (0.9, False, 3.0), (0.9, True, 5.61)]
+    ("momentum", "correction", "divisor"), [(0.0, True, 3.0), (0.0, False, 3.0), (0.9, False, 3.0), (0.9, True, 5.61)]
 )
 def test_quadratic_client_update_matches_hand_computation(momentum, correction, divisor):
     train = TrainSection(batch_size=4, local_steps=3, lr=0.1, momentum=momentum)
@@ -56,6 +56,34 @@ def test_quadratic_client_update_matches_hand_computation(momentum, correction, 
     torch.testing.assert_close(reply.tensors["delta_c"], c_i_new - c_i)
     torch.testing.assert_close(ctx.state["c_i"], c_i_new)
     torch.testing.assert_close(ctx.message.tensors["c"], c)  # the message is read, never written
+
+
+class LinearScaffold(Scaffold):
+    """Local loss G . w: a constant gradient G, so the true mean gradient that c_i estimates is known exactly."""
+
+    def local_loss(self, ctx, x, y):
+        return (G * ctx.model.w).sum()
+
+
+G = torch.tensor([0.7, -1.3])
+
+
+@pytest.mark.parametrize(("momentum", "nesterov"), [(0.0, False), (0.5, False), (0.9, False), (0.9, True)])
+def test_control_variate_is_the_true_gradient_under_momentum_by_default(momentum, nesterov):
+    """With a constant gradient G every corrected step uses G + c - c_i, so option II must return c_i+ = G for any
+    old c and c_i. The default divisor does under momentum; K * eta_l is 1/(1 - momentum) times too large."""
+    train = TrainSection(batch_size=4, local_steps=7, lr=0.05, momentum=momentum, nesterov=nesterov)
+    for correction in (True, False):
+        config = ScaffoldConfig() if correction else ScaffoldConfig(momentum_correction=False)  # True is the default
+        algo = LinearScaffold(config, make_setup(train, num_clients=4))
+        algo.init_server(torch.tensor([2.0, 1.0]), torch.zeros(0))
+        algo.c = torch.tensor([0.3, -0.2])
+        state = {"c_i": torch.tensor([-0.1, 0.4])}
+        algo.client_update(make_ctx(0, algo.configure(1, [0], "train")[0], TwoParams(), None, train, state))
+        if correction or not momentum:
+            torch.testing.assert_close(state["c_i"], G)
+        else:
+            assert (state["c_i"] - G).norm() > 0.5 * G.norm()  # far off: the over-correction that diverges
 
 
 @pytest.mark.parametrize("weighting", ["uniform", "samples"])
