@@ -152,3 +152,21 @@ def test_moon_learns_on_digits_and_resumes_bit_exact(tiny_config, kill_and_resum
         r["test_acc"] for r in read_metrics(resumed.run_dir / "metrics.jsonl")
     ]
     torch.testing.assert_close(full.algo.global_params, resumed.algo.global_params, rtol=0, atol=0)
+
+
+def test_without_projector_the_representations_are_contrasted():
+    algo, model, flat = make_moon(mu=1.5, temperature=0.5, projection_layers=0)
+    assert not any(name.startswith("projector.") for name in flat.slices())
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    state: dict[str, torch.Tensor] = {}
+    client_round(algo, model, flat, state, 1, x, y)
+    previous = state["prev_params"][0].clone()
+    ctx, _ = client_round(algo, model, flat, state, 2, x, y)
+    reference = [algo.setup.build_model().eval() for _ in range(2)]
+    FlatModel(reference[0]).set_params(ctx.global_params)
+    FlatModel(reference[1]).set_params(previous)
+    with torch.no_grad():
+        z_glob, z_prev = (m.body(x) for m in reference)
+        z = model.body(x)
+    expected = F.cross_entropy(model(x), y).item() + 1.5 * naive_loss(z, z_glob, [z_prev], 0.5)
+    assert algo.local_loss(ctx, x, y).item() == pytest.approx(expected, rel=1e-5)

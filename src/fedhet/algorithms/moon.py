@@ -12,7 +12,9 @@ Choices, against the official code (``QinbinLi/MOON``):
   ``projection_dim``) is added by ``prepare_model`` and is exchanged and averaged with the rest of the model. The
   logits still come from ``head(body(x))``; the official ``ModelFedCon`` puts its classifier on the projection
   instead. Keeping the model's own head means every model in the zoo works unchanged and MOON with μ = 0 is
-  exactly FedAvg (the projector then gets no gradient).
+  exactly FedAvg (the projector then gets no gradient). ``projection_layers = 0`` contrasts the representations
+  themselves, with no projector, as PFLlib's MOON does (the code base of FedRANE's baselines); with a wide
+  representation (FedRANE's CNNModel: 1568) the official head would otherwise cost as much as the whole network.
 * Previous models are client-held state: the client's last ``pool_size`` locally trained models (parameters and
   buffers), oldest first, replaced first-in first-out. The official pool instead snapshots every client's net
   after every round, so with partial participation a client's negatives there can be its untrained initial net
@@ -45,11 +47,14 @@ class MoonConfig(FedAvgConfig):  # weighting "samples": the official code averag
     mu: float = Field(1.0, ge=0.0)
     temperature: float = Field(0.5, gt=0.0)  # τ = 0.5: paper and official --temperature default
     projection_dim: int = Field(256, ge=1)  # official --out_dim default 256
-    projection_layers: int = Field(2, ge=1)  # official ModelFedCon: Linear(f, f), ReLU, Linear(f, out_dim)
+    # official ModelFedCon: Linear(f, f), ReLU, Linear(f, out_dim); 0: no projector (PFLlib), z = the representation
+    projection_layers: int = Field(2, ge=0)
     pool_size: int = Field(1, ge=1)  # official --model_buffer_size default 1
 
 
-def projection_head(in_dim: int, out_dim: int, layers: int) -> nn.Sequential:
+def projection_head(in_dim: int, out_dim: int, layers: int) -> nn.Module:
+    if layers == 0:
+        return nn.Identity()
     modules: list[nn.Module] = []
     for _ in range(layers - 1):
         modules += [nn.Linear(in_dim, in_dim), nn.ReLU()]
