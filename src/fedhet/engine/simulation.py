@@ -96,6 +96,43 @@ def build_algorithm(cfg: Config, setup: Setup) -> Algorithm:
 
 
 @dataclass
+class Training:
+    """What a run trains with: the global model, its flat view, the algorithm and the runner of client updates."""
+
+    model: torch.nn.Module
+    flat: FlatModel
+    setup: Setup
+    algo: Algorithm
+    runner: ClientRunner
+
+
+def build_training(cfg: Config, fed: FederatedDataset) -> Training:
+    """The model (seeded from the run seed), the algorithm with its server side initialised, and the client runner
+    for a run of ``cfg`` on ``fed``. The simulation and every Flower node build theirs here, so a client's reply
+    depends only on (config, message, data, state), never on where it runs."""
+    from fedhet.models import build_model
+
+    device = torch.device(cfg.run.device)
+    algo_cls, algo_cfg = algorithm_config(cfg)
+
+    def make_model():
+        # Auxiliary models (frozen global/previous models) are built lazily inside clients; forking the RNG
+        # keeps their construction from shifting the client's random stream (dropout, augmentation).
+        with torch.random.fork_rng(devices=[]):
+            model = build_model(cfg.model.name, fed.input_shape, fed.num_classes, **cfg.model.params())
+            return algo_cls.prepare_model(algo_cfg, model).to(device)
+
+    torch.manual_seed(derive_seed(cfg.run.seed, 0x40DE1))
+    model = make_model()
+    flat = FlatModel(model)
+    setup = Setup(fed.num_clients, fed.num_classes, cfg.train, make_model, device)
+    algo = build_algorithm(cfg, setup)
+    algo.init_server(flat.get_params(), flat.get_buffers())
+    runner = ClientRunner(algo, flat, cfg.train, build_augment(cfg.train.augment), cfg.run.seed)
+    return Training(model, flat, setup, algo, runner)
+
+
+@dataclass
 class RoundResult:
     replies: dict[int, Reply]
     failures: list[dict[str, Any]]
@@ -118,26 +155,10 @@ class Simulation:
         self.run_dir = Path(cfg.run.out_dir) / self.name
         self.fed = fed if fed is not None else build_federation(cfg)
         self.device = torch.device(cfg.run.device)
-        from fedhet.models import build_model
-
-        algo_cls, algo_cfg = algorithm_config(cfg)
-
-        def make_model():
-            # Auxiliary models (frozen global/previous models) are built lazily inside clients; forking the RNG
-            # keeps their construction from shifting the client's random stream (dropout, augmentation).
-            with torch.random.fork_rng(devices=[]):
-                model = build_model(cfg.model.name, self.fed.input_shape, self.fed.num_classes, **cfg.model.params())
-                return algo_cls.prepare_model(algo_cfg, model).to(self.device)
-
-        torch.manual_seed(derive_seed(cfg.run.seed, 0x40DE1))
-        self.model = make_model()
-        self.flat = FlatModel(self.model)
-        self.setup = Setup(self.fed.num_clients, self.fed.num_classes, cfg.train, make_model, self.device)
-        self.algo = build_algorithm(cfg, self.setup)
-        self.algo.init_server(self.flat.get_params(), self.flat.get_buffers())
-        runner = ClientRunner(self.algo, self.flat, cfg.train, build_augment(cfg.train.augment), cfg.run.seed)
+        parts = build_training(cfg, self.fed)
+        self.model, self.flat, self.setup, self.algo = parts.model, parts.flat, parts.setup, parts.algo
         store = build_state_store(cfg.run.client_state, self.run_dir / "client_state", cfg.run.client_state_budget_mb)
-        self.executor: Executor = executor or LocalExecutor(runner, self.fed.clients, store)
+        self.executor: Executor = executor or LocalExecutor(parts.runner, self.fed.clients, store)
         self.seen: set[int] = set()  # clients that have completed at least one round
         self.ema: float | None = None
 

@@ -29,7 +29,6 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, MetricRecord, RecordDict
 from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
-from rich.console import Console
 
 from fedhet.algorithms.base import ClientData
 from fedhet.config import Config
@@ -94,14 +93,13 @@ def shape_only_federation(cfg: Config, num_classes: int, input_shape: tuple[int,
 
 
 def cached_runner(cfg: Config, fed: FederatedDataset) -> ClientRunner:
-    """The ClientRunner that ``Simulation`` builds for this config: same model, seeds, algorithm and augmentation."""
-    from fedhet.engine.simulation import Simulation
+    """The ClientRunner that the simulation builds for this config: same model, seeds, algorithm and augmentation."""
+    from fedhet.engine.simulation import build_training
 
     key = (config_key(cfg), fed.num_classes, tuple(fed.input_shape))
     if key not in _runners:
         _runners.clear()
-        sim = Simulation(cfg, fed=fed, console=Console(quiet=True))
-        _runners[key] = sim.executor.runner
+        _runners[key] = build_training(cfg, fed).runner
     return _runners[key]
 
 
