@@ -104,8 +104,22 @@ def test_existing_run_folder_needs_resume_or_overwrite(tiny_config):
 def test_resume_with_a_changed_config_is_refused(tiny_config):
     Simulation(tiny_config(run={"name": "r", "rounds": 2})).run(stop_after=1)
     changed = tiny_config(run={"name": "r", "rounds": 2}, train={"lr": 0.5})
-    with pytest.raises(ConfigError, match="differs"):
+    with pytest.raises(ConfigError, match=r"differs from this one in train\.lr: 0\.1 -> 0\.5"):
         Simulation(changed).run(resume=True)
+
+
+def test_a_finished_run_extended_to_more_rounds_equals_the_longer_run(tiny_config):
+    Simulation(tiny_config(run={"name": "short", "rounds": 2})).run()
+    extended = Simulation(tiny_config(run={"name": "short", "rounds": 4, "progress": False}))
+    summary = extended.run(resume=True)
+    assert summary["status"] == "finished" and summary["rounds_done"] == 4
+    assert json.loads((extended.run_dir / "config.json").read_text())["run"]["rounds"] == 4  # report sees 4
+    reference = Simulation(tiny_config(run={"name": "long", "rounds": 4}))
+    reference.run()
+    assert stable(read_metrics(reference.run_dir / "metrics.jsonl")) == stable(
+        read_metrics(extended.run_dir / "metrics.jsonl")
+    )
+    torch.testing.assert_close(reference.algo.global_params, extended.algo.global_params, rtol=0, atol=0)
 
 
 def test_failing_and_non_finite_clients_are_dropped_and_recorded(tiny_config):

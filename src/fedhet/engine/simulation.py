@@ -95,6 +95,19 @@ def build_algorithm(cfg: Config, setup: Setup) -> Algorithm:
     return algo_cls(algo_cfg, setup, build_server_optimizer(cfg.server.name, cfg.server.params()))
 
 
+# What a resumed run may change: how far it goes and how it reports, never what the rounds so far computed.
+RESUMABLE_CHANGES = ("run.rounds", "run.progress", "run.checkpoint_every")
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The settings (as "section.key: old -> new") that forbid resuming a run saved with ``saved``."""
+    from fedhet.results.report import flatten
+
+    old, new = flatten(saved), flatten(current)
+    keys = sorted((set(old) | set(new)) - set(RESUMABLE_CHANGES))
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+
+
 @dataclass
 class Training:
     """What a run trains with: the global model, its flat view, the algorithm and the runner of client updates."""
@@ -247,9 +260,11 @@ class Simulation:
 
     def load_checkpoint(self) -> tuple[int, float]:
         state = torch.load(self.checkpoint_path, weights_only=False)
-        if state["config"] != self.resolved:
+        changed = config_changes(state["config"], self.resolved)
+        if changed:
             raise ConfigError(
-                f"cannot resume {self.run_dir}: its config differs from this one; use a new run name or --overwrite"
+                f"cannot resume {self.run_dir}: its config differs from this one in {', '.join(changed)}; "
+                "use a new run name or --overwrite (only run.rounds, run.progress and run.checkpoint_every may change)"
             )
         self.algo.load_state_dict(state["algo"])
         self.executor.load_state_dict(state["executor"])
@@ -266,6 +281,7 @@ class Simulation:
             done, self._wall_before = self.load_checkpoint()
             truncate_after(self.run_dir / "metrics.jsonl", done)
             truncate_after(self.run_dir / "failures.jsonl", done)
+            write_json_atomic(self.run_dir / "config.json", self.resolved)  # e.g. run.rounds raised to extend it
             return done
         if resume:  # crashed before its first checkpoint: start over, keeping nothing stale
             truncate_after(self.run_dir / "metrics.jsonl", 0)
