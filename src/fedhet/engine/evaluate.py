@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhet.data.federated import FederatedDataset
+if TYPE_CHECKING:  # a runtime import would be circular: algorithms -> evaluate -> data.federated -> algorithms
+    from fedhet.data.federated import FederatedDataset
 
 
 @dataclass
