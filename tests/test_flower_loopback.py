@@ -32,11 +32,12 @@ from fedhet.flower.server import NodeError  # noqa: E402
 TWO_NODES = {101: {"partition-ids": "0,1"}, 202: {"partition-ids": "2-3"}}  # two clients on each node
 
 
-def make_cfg(tiny_config, name: str, algorithm: str = "fedavg", **run):
+def make_cfg(tiny_config, name: str, algorithm: str = "fedavg", train: dict | None = None, **run):
     return tiny_config(
         run={"rounds": 2, "name": name, **run},
         partition={"num_clients": 4, "local_test_fraction": 0.2},  # local splits: personalised metrics too
         algorithm={"name": algorithm},
+        train=train or {},
     )
 
 
@@ -103,12 +104,14 @@ def test_every_algorithm_on_flower_matches_the_simulation(tiny_config, algorithm
 
 def test_nodes_with_their_own_data_files_train_like_the_simulation(tiny_config, tmp_path):
     """data-path nodes: the same training (same global model and test accuracy); per-client metrics are the
-    distribution-weighted ones since the server never sees a client's local test split."""
-    cfg = make_cfg(tiny_config, "files", "scaffold")
+    distribution-weighted ones since the server never sees a client's local test split. With augmentation, so the
+    files must also carry the border fill (a black pixel in normalised space)."""
+    augment = {"augment": "crop_flip_rotate"}
+    cfg = make_cfg(tiny_config, "files", "scaffold", augment)
     paths = export_clients(cfg, tmp_path / "clients")
     nodes = {10 + cid: {"partition-id": cid, "data-path": str(p)} for cid, p in enumerate(paths)}
     run_flower(cfg, nodes)
-    _, local_dir = in_process(make_cfg(tiny_config, "local", "scaffold"))
+    _, local_dir = in_process(make_cfg(tiny_config, "local", "scaffold", augment))
     got, want = records(local_dir.parent / "files"), records(local_dir)
     for g, w in zip(got, want, strict=True):
         assert (g["test_acc"], g["test_loss"], g["train_loss"], g["c_norm"]) == (

@@ -1,10 +1,15 @@
-"""Training augmentation on in-memory image batches (no torchvision on CPU here): random crop with zero padding,
-horizontal flip and small rotations, all drawn from the client's generator so runs stay reproducible."""
+"""Training augmentation on in-memory image batches (no torchvision on CPU here): random crop with padding,
+horizontal flip and small rotations, all drawn from the client's generator so runs stay reproducible.
+
+Batches are already normalised, so the border that crop and rotation bring in is filled with ``fill``, the
+normalised value of a black pixel (-mean/std per channel): what torchvision's RandomCrop(padding=4) and
+RandomRotation give when they run on the raw image before Normalize, as in the papers' pipelines. Without ``fill``
+the border is 0, i.e. black only for data that is not normalised."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -12,9 +17,19 @@ import torch.nn.functional as F
 Augment = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 
 
-def random_crop(x: torch.Tensor, g: torch.Generator, padding: int = 4) -> torch.Tensor:
+def filled(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, fill: torch.Tensor | None) -> torch.Tensor:
+    """``op`` (which brings in zeros at the border) on ``x`` with the border at ``fill`` instead."""
+    if fill is None:
+        return op(x)
+    f = fill.to(x).view(1, -1, 1, 1)
+    return op(x - f) + f
+
+
+def random_crop(
+    x: torch.Tensor, g: torch.Generator, padding: int = 4, fill: torch.Tensor | None = None
+) -> torch.Tensor:
     b, _, h, w = x.shape
-    padded = F.pad(x, (padding, padding, padding, padding))
+    padded = filled(lambda t: F.pad(t, (padding, padding, padding, padding)), x, fill)
     oy = torch.randint(0, 2 * padding + 1, (b,), generator=g)
     ox = torch.randint(0, 2 * padding + 1, (b,), generator=g)
     rows = (oy[:, None] + torch.arange(h))[:, :, None]  # (B, H, 1)
@@ -23,23 +38,27 @@ def random_crop(x: torch.Tensor, g: torch.Generator, padding: int = 4) -> torch.
     return padded.permute(0, 2, 3, 1)[batch, rows, cols].permute(0, 3, 1, 2).contiguous()
 
 
-def random_flip(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+def random_flip(x: torch.Tensor, g: torch.Generator, fill: torch.Tensor | None = None) -> torch.Tensor:
     flip = torch.rand(x.shape[0], generator=g) < 0.5
     return torch.where(flip[:, None, None, None], x.flip(3), x)
 
 
-def random_rotate(x: torch.Tensor, g: torch.Generator, degrees: float = 10.0) -> torch.Tensor:
+def random_rotate(
+    x: torch.Tensor, g: torch.Generator, degrees: float = 10.0, fill: torch.Tensor | None = None
+) -> torch.Tensor:
     angle = (torch.rand(x.shape[0], generator=g) * 2 - 1) * math.radians(degrees)
     cos, sin = angle.cos(), angle.sin()
     zero = torch.zeros_like(cos)
     theta = torch.stack([torch.stack([cos, -sin, zero], 1), torch.stack([sin, cos, zero], 1)], 1)
     grid = F.affine_grid(theta.to(x.dtype), list(x.shape), align_corners=False)
-    return F.grid_sample(x, grid, align_corners=False, padding_mode="zeros")
+    return filled(lambda t: F.grid_sample(t, grid, align_corners=False, padding_mode="zeros"), x, fill)
 
 
-def build_augment(name: str) -> Augment | None:
+def build_augment(name: str, fill: Sequence[float] | None = None) -> Augment | None:
+    """The named augmentation; ``fill`` is the per-channel value of a black pixel in the model's input space."""
     if name == "none":
         return None
+    fill_t = None if fill is None else torch.tensor(fill, dtype=torch.float32)
     steps = {
         "crop": [random_crop],
         "crop_flip": [random_crop, random_flip],
@@ -50,7 +69,7 @@ def build_augment(name: str) -> Augment | None:
         if x.dim() != 4:
             return x
         for step in steps:
-            x = step(x, g)
+            x = step(x, g, fill=fill_t)
         return x
 
     return augment

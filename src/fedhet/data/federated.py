@@ -21,6 +21,7 @@ class FederatedDataset:
     input_shape: tuple[int, ...]
     train_counts: np.ndarray  # (num_clients, num_classes) local training label counts
     test_source: str  # "official" or "local-union"
+    pad_value: tuple[float, ...] | None = None  # a black pixel after normalisation, per channel (augmentation fill)
 
     @property
     def num_clients(self) -> int:
@@ -37,6 +38,13 @@ class FederatedDataset:
     def label_distribution(self) -> np.ndarray:
         """Each client's training label proportions pi^m (rows sum to 1)."""
         return self.train_counts / np.maximum(self.train_counts.sum(axis=1, keepdims=True), 1)
+
+
+def black_value(ds: ArrayDataset) -> tuple[float, ...] | None:
+    """The normalised value of a black (0) pixel per channel, or None when the inputs are not normalised images."""
+    if ds.task != "image" or ds.mean is None:
+        return None
+    return tuple(-m / s for m, s in zip(ds.mean, ds.std, strict=True))
 
 
 def normalise(x: np.ndarray, ds: ArrayDataset) -> np.ndarray:
@@ -115,4 +123,5 @@ def federate(
         input_shape=tuple(ds.input_shape),
         train_counts=np.stack(counts),
         test_source=source,
+        pad_value=black_value(ds),
     )

@@ -141,7 +141,7 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
     setup = Setup(fed.num_clients, fed.num_classes, cfg.train, make_model, device)
     algo = build_algorithm(cfg, setup)
     algo.init_server(flat.get_params(), flat.get_buffers())
-    runner = ClientRunner(algo, flat, cfg.train, build_augment(cfg.train.augment), cfg.run.seed)
+    runner = ClientRunner(algo, flat, cfg.train, build_augment(cfg.train.augment, fed.pad_value), cfg.run.seed)
     return Training(model, flat, setup, algo, runner)
 
 

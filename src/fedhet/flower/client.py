@@ -59,7 +59,7 @@ class NodeClients:
 # One entry per process: in Flower's Ray simulation an actor serves many virtual nodes and keeps the federation and
 # runner for the run's config (exactly like the in-process simulation, one runner serves every client).
 _federations: dict[str, FederatedDataset] = {}
-_runners: dict[tuple[str, int, tuple[int, ...]], ClientRunner] = {}
+_runners: dict[tuple[str, int, tuple[int, ...], tuple[float, ...] | None], ClientRunner] = {}
 
 
 def config_key(cfg: Config) -> str:
@@ -76,8 +76,11 @@ def cached_federation(cfg: Config) -> FederatedDataset:
     return _federations[key]
 
 
-def shape_only_federation(cfg: Config, num_classes: int, input_shape: tuple[int, ...]) -> FederatedDataset:
-    """A federation with the right number of clients, classes and input shape but no data (to size a model)."""
+def shape_only_federation(
+    cfg: Config, num_classes: int, input_shape: tuple[int, ...], pad_value: tuple[float, ...] | None = None
+) -> FederatedDataset:
+    """A federation with the right clients, classes, input shape and augmentation fill but no data (to size a model
+    and build the runner)."""
     n = cfg.partition.num_clients
     empty = ClientData(x=torch.zeros(0, *input_shape), y=torch.zeros(0, dtype=torch.long), num_classes=num_classes)
     return FederatedDataset(
@@ -89,6 +92,7 @@ def shape_only_federation(cfg: Config, num_classes: int, input_shape: tuple[int,
         input_shape=tuple(input_shape),
         train_counts=np.zeros((n, num_classes), dtype=np.int64),
         test_source="none",
+        pad_value=pad_value,
     )
 
 
@@ -96,7 +100,7 @@ def cached_runner(cfg: Config, fed: FederatedDataset) -> ClientRunner:
     """The ClientRunner that the simulation builds for this config: same model, seeds, algorithm and augmentation."""
     from fedhet.engine.simulation import build_training
 
-    key = (config_key(cfg), fed.num_classes, tuple(fed.input_shape))
+    key = (config_key(cfg), fed.num_classes, tuple(fed.input_shape), fed.pad_value)
     if key not in _runners:
         _runners.clear()
         _runners[key] = build_training(cfg, fed).runner
@@ -131,8 +135,8 @@ def node_clients(cfg: Config, node_config: dict[str, Any]) -> NodeClients:
         cids = partition_ids(node_config, n)
         if len(cids) != 1:
             raise ConfigError("a node with data-path holds exactly one client: give one partition-id")
-        data = load_client_file(str(node_config["data-path"]), cfg.run.device)
-        fed = shape_only_federation(cfg, data.num_classes, tuple(data.x.shape[1:]))
+        data, pad_value = load_client_file(str(node_config["data-path"]), cfg.run.device)
+        fed = shape_only_federation(cfg, data.num_classes, tuple(data.x.shape[1:]), pad_value)
         return NodeClients(cached_runner(cfg, fed), {cids[0]: data}, from_file=True)
     fed = cached_federation(cfg)
     runner = cached_runner(cfg, fed)
