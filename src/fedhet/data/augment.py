@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,7 @@ def random_crop(
     return padded.permute(0, 2, 3, 1)[batch, rows, cols].permute(0, 3, 1, 2).contiguous()
 
 
-def random_flip(x: torch.Tensor, g: torch.Generator, fill: torch.Tensor | None = None) -> torch.Tensor:
+def random_flip(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     flip = torch.rand(x.shape[0], generator=g) < 0.5
     return torch.where(flip[:, None, None, None], x.flip(3), x)
 
@@ -59,17 +60,18 @@ def build_augment(name: str, fill: Sequence[float] | None = None) -> Augment | N
     if name == "none":
         return None
     fill_t = None if fill is None else torch.tensor(fill, dtype=torch.float32)
+    crop, rotate = partial(random_crop, fill=fill_t), partial(random_rotate, fill=fill_t)
     steps = {
-        "crop": [random_crop],
-        "crop_flip": [random_crop, random_flip],
-        "crop_flip_rotate": [random_rotate, random_crop, random_flip],  # FedRCL's order (notes/fedrcl.md 4)
+        "crop": [crop],
+        "crop_flip": [crop, random_flip],
+        "crop_flip_rotate": [rotate, crop, random_flip],  # FedRCL's order (notes/fedrcl.md 4)
     }[name]
 
     def augment(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
         if x.dim() != 4:
             return x
         for step in steps:
-            x = step(x, g, fill=fill_t)
+            x = step(x, g)
         return x
 
     return augment

@@ -264,7 +264,7 @@ class Simulation:
         if changed:
             raise ConfigError(
                 f"cannot resume {self.run_dir}: its config differs from this one in {', '.join(changed)}; "
-                "use a new run name or --overwrite (only run.rounds, run.progress and run.checkpoint_every may change)"
+                f"use a new run name or --overwrite (only {', '.join(RESUMABLE_CHANGES)} may change)"
             )
         self.algo.load_state_dict(state["algo"])
         self.executor.load_state_dict(state["executor"])
