@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from fedhet.engine.checkpoint import read_checkpoint
 from fedhet.engine.simulation import Simulation
 from fedhet.errors import ConfigError
 from fedhet.results.store import read_metrics
@@ -81,7 +82,7 @@ def test_crash_between_metrics_and_checkpoint_resumes_cleanly(tiny_config):
     sim.save_checkpoint = crash_at_3
     with pytest.raises(KeyboardInterrupt):
         sim.run()
-    assert torch.load(sim.checkpoint_path, weights_only=False)["round"] == 2
+    assert read_checkpoint(sim.checkpoint_path)["round"] == 2
     assert [r["round"] for r in read_metrics(sim.run_dir / "metrics.jsonl")] == [1, 2, 3]
     resumed = Simulation(cfg)
     resumed.run(resume=True)

@@ -19,6 +19,7 @@ from flwr.app import ConfigRecord, Context, MetricRecord, RecordDict  # noqa: E4
 
 from fedhet.algorithms import ALGORITHMS, Message, Reply  # noqa: E402
 from fedhet.config import tomllib  # noqa: E402
+from fedhet.engine.checkpoint import read_checkpoint  # noqa: E402
 from fedhet.engine.client import ClientRunner  # noqa: E402
 from fedhet.engine.simulation import Simulation  # noqa: E402
 from fedhet.flower import codec  # noqa: E402
@@ -47,7 +48,7 @@ def records(run_dir) -> list[dict]:
 
 
 def final_params(run_dir) -> torch.Tensor:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)["algo"]["global_params"]
+    return read_checkpoint(run_dir / "checkpoints" / "last.pt")["algo"]["global_params"]
 
 
 def run_flower(cfg, node_configs=TWO_NODES, **options):

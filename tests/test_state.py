@@ -36,12 +36,14 @@ def test_disk_snapshot_keeps_the_version_it_linked(tmp_path):
     assert store.get(1) == {} and len(store) == 1
 
 
-def test_disk_keeps_only_recent_snapshots(tmp_path):
+def test_disk_frees_only_the_snapshots_no_kept_checkpoint_names(tmp_path):
     store = DiskStateStore(tmp_path)
     store.put(0, {"c": torch.zeros(2)})
-    snaps = [store.state_dict()["snapshot"] for _ in range(4)]
+    saved = [store.state_dict() for _ in range(4)]
+    assert len(list((tmp_path / "snapshots").iterdir())) == 4  # nothing is freed while writing
+    store.retain([saved[0], saved[2]])
     left = sorted(p.name for p in (tmp_path / "snapshots").iterdir())
-    assert len(left) == 2 and snaps[-1].endswith(left[-1])
+    assert left == sorted([saved[0]["snapshot"], saved[2]["snapshot"]])
 
 
 def test_auto_spills_to_disk_past_the_budget(tmp_path):

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fedhet.errors import ConfigError, FedhetError
+from fedhet.errors import ConfigError, FedhetError, RunFailed
 from fedhet.flower.cli import flower_app
 
 app = typer.Typer(
@@ -67,7 +67,10 @@ def run(
 ) -> None:
     """Train one algorithm on one federated setting; writes a run folder (config, metrics, checkpoints)."""
     from fedhet.config import load_config
+    from fedhet.engine.rundir import check_run_flags
     from fedhet.engine.simulation import Simulation
+
+    check_run_flags(resume, overwrite)
 
     cfg = load_config(
         config,
@@ -88,6 +91,22 @@ def run(
     )
     sim = Simulation(cfg, console=err_console)
     summary = sim.run(resume=resume, overwrite=overwrite)
+    _print_final(summary, sim.run_dir)
+
+
+@app.command()
+def resume(
+    run_dir: Annotated[Path, typer.Argument(help="The run folder to continue (it may have been moved or copied).")],
+    rounds: Annotated[int | None, typer.Option("--rounds", "-r", help="Train to this round (extends a run).")] = None,
+    set_: SetOpt = None,
+) -> None:
+    """Continue a killed run (or extend a finished one) from its folder alone, with the config saved in it."""
+    from fedhet.config import saved_run_config
+    from fedhet.engine.simulation import Simulation
+
+    cfg = saved_run_config(run_dir, _overrides(set_, rounds=rounds))
+    sim = Simulation(cfg, console=err_console)
+    summary = sim.run(resume=True)
     _print_final(summary, sim.run_dir)
 
 
@@ -122,6 +141,9 @@ def compare(
 ) -> None:
     """Run several algorithms (x seeds) on the same setting; print a table and write an accuracy plot."""
     from fedhet.compare import run_comparison
+    from fedhet.engine.rundir import check_run_flags
+
+    check_run_flags(resume, overwrite)
 
     run_comparison(
         config,
@@ -240,6 +262,9 @@ def list_cmd(
 def main() -> None:
     try:
         app()
+    except RunFailed as err:  # the run started and could not go on: exit 1, as a failed program does
+        err_console.print(f"[red]failed:[/] {err}")
+        sys.exit(1)
     except FedhetError as err:
         err_console.print(f"[red]error:[/] {err}")
         sys.exit(2)

@@ -9,11 +9,12 @@ parameters, which the component's registry entry validates; resolution fills eve
 from __future__ import annotations
 
 import ast
+import json
 import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedhet.errors import ConfigError
 
@@ -41,6 +42,16 @@ class RunSection(_Strict):
     # where client-held state lives: "auto" keeps it in memory until it passes the budget, then moves it to disk
     client_state: Literal["auto", "memory", "disk"] = "auto"
     client_state_budget_mb: float = Field(2048.0, gt=0.0)
+    # stop (with an error) after this many rounds in a row in which every client failed
+    max_empty_rounds: int = Field(3, ge=1)
+
+    @field_validator("name")
+    @classmethod
+    def _plain_folder_name(cls, name: str | None) -> str | None:
+        # --overwrite deletes out_dir/name: a name with a path in it could reach outside the output folder
+        if name is not None and (name in ("", ".", "..") or any(c in name for c in "/\\\0") or name != name.strip()):
+            raise ValueError(f"must be a plain folder name (no '/', '\\', '.' or '..', no edge spaces); got {name!r}")
+        return name
 
 
 class TrainSection(_Strict):
@@ -193,6 +204,24 @@ def build_config(raw: dict[str, Any]) -> Config:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     raw = load_raw(path)
     raw.pop("compare", None)  # a comparison's variant list; `fedhet run` on such a file runs its base setting
+    for item in overrides or []:
+        apply_override(raw, item)
+    return build_config(raw)
+
+
+def saved_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> Config:
+    """The config a run folder was started with, placed where the folder is now (it may have been moved)."""
+    folder = Path(run_dir)
+    saved = folder / "config.json"
+    if not saved.is_file():
+        raise ConfigError(f"{str(folder)!r} is not a run folder: it has no config.json")
+    try:
+        raw = json.loads(saved.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{saved}: unreadable ({err})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("run"), dict):
+        raise ConfigError(f"{saved}: not a fedhet run config")
+    raw["run"].update(out_dir=str(folder.resolve().parent), name=folder.resolve().name)
     for item in overrides or []:
         apply_override(raw, item)
     return build_config(raw)

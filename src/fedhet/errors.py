@@ -11,6 +11,10 @@ class ConfigError(FedhetError, ValueError):
     """A configuration value, key or name is wrong."""
 
 
+class RunFailed(FedhetError):
+    """A run that cannot go on (non-finite model, no client left); summary.json says why, the last checkpoint stays."""
+
+
 def unknown_choice(kind: str, name: str, choices) -> ConfigError:
     """The standard 'unknown X' error, listing the valid names."""
     return ConfigError(f"unknown {kind} {name!r}; choose one of: {', '.join(sorted(choices))}")

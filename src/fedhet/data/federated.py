@@ -22,6 +22,7 @@ class FederatedDataset:
     train_counts: np.ndarray  # (num_clients, num_classes) local training label counts
     test_source: str  # "official" or "local-union"
     pad_value: tuple[float, ...] | None = None  # a black pixel after normalisation, per channel (augmentation fill)
+    provenance: dict | None = None  # where the data came from (files, hash), for the run folder's provenance.json
 
     @property
     def num_clients(self) -> int:

@@ -119,9 +119,21 @@ class Executor(Protocol):
         self, rnd: int, cids: list[int], msg: Message, batch_size: int
     ) -> dict[int, tuple[int, int]]: ...
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """The client-held state as of now, for a checkpoint (plain data and tensors only)."""
+        ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Back to a checkpoint's client-held state; raises ``CheckpointError`` (changing nothing) if it is gone."""
+        ...
+
+    def reset(self) -> None:
+        """Forget all client-held state: the run starts from round 0."""
+        ...
+
+    def retain(self, states: list[dict[str, Any]]) -> None:
+        """Free saved client state that none of ``states`` (those the kept checkpoints hold) refers to."""
+        ...
 
 
 class LocalExecutor:
@@ -171,3 +183,9 @@ class LocalExecutor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.store.load_state_dict(state["clients"])
+
+    def reset(self) -> None:
+        self.store.clear()
+
+    def retain(self, states: list[dict[str, Any]]) -> None:
+        self.store.retain([s["clients"] for s in states])

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +25,14 @@ from fedhet.algorithms.base import AlgoConfig
 from fedhet.config import Config
 from fedhet.data.augment import build_augment
 from fedhet.data.federated import FederatedDataset, federate
+from fedhet.engine.checkpoint import LAST, CheckpointError, load_latest, remove_temporaries, write_checkpoint
 from fedhet.engine.client import ClientRunner, Executor, LocalExecutor, derive_seed
 from fedhet.engine.evaluate import evaluate_global
 from fedhet.engine.flat import FlatModel
+from fedhet.engine.rundir import check_run_flags, environment, holds_run, make_out_dir, remove_run_dir
 from fedhet.engine.state import build_state_store
-from fedhet.errors import ConfigError
-from fedhet.results.store import MetricsLog, truncate_after, write_json_atomic
+from fedhet.errors import ConfigError, RunFailed
+from fedhet.results.store import MetricsLog, read_json, read_metrics, truncate_after, write_json_atomic
 
 
 def resolve_config(cfg: Config) -> dict[str, Any]:
@@ -96,7 +95,9 @@ def build_algorithm(cfg: Config, setup: Setup) -> Algorithm:
 
 
 # What a resumed run may change: how far it goes and how it reports, never what the rounds so far computed.
-RESUMABLE_CHANGES = ("run.rounds", "run.progress", "run.checkpoint_every")
+RESUMABLE_CHANGES = ("run.rounds", "run.progress", "run.checkpoint_every", "run.max_empty_rounds")
+# Where the run folder is: a moved or copied run folder stays resumable.
+LOCATION = ("run.out_dir", "run.name")
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -104,7 +105,7 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     from fedhet.results.report import flatten
 
     old, new = flatten(saved), flatten(current)
-    keys = sorted((set(old) | set(new)) - set(RESUMABLE_CHANGES))
+    keys = sorted((set(old) | set(new)) - set(RESUMABLE_CHANGES) - set(LOCATION))
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
 
 
@@ -151,6 +152,20 @@ class RoundResult:
     failures: list[dict[str, Any]]
 
 
+def nonfinite(tree: Any, prefix: str = "") -> list[str]:
+    """The names of the non-finite tensors and floats in a (nested) state dict."""
+    if isinstance(tree, dict):
+        return [n for k, v in tree.items() for n in nonfinite(v, f"{prefix}{k}.")]
+    if isinstance(tree, list | tuple):
+        return [n for i, v in enumerate(tree) for n in nonfinite(v, f"{prefix}{i}.")]
+    name = prefix.rstrip(".")
+    if isinstance(tree, torch.Tensor):
+        return [] if not tree.is_floating_point() or bool(torch.isfinite(tree).all()) else [name]
+    if isinstance(tree, float):
+        return [] if math.isfinite(tree) else [name]
+    return []
+
+
 class Simulation:
     """One run: ``Simulation(cfg).run()`` trains, evaluates and writes the run folder."""
 
@@ -174,6 +189,7 @@ class Simulation:
         self.executor: Executor = executor or LocalExecutor(parts.runner, self.fed.clients, store)
         self.seen: set[int] = set()  # clients that have completed at least one round
         self.ema: float | None = None
+        self.empty_streak = 0  # rounds in a row in which no client finished
 
     # ------------------------------------------------------------------ sampling and clients
     def sample_clients(self, rnd: int) -> list[int]:
@@ -238,8 +254,12 @@ class Simulation:
 
     # ------------------------------------------------------------------ checkpoints
     @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    @property
     def checkpoint_path(self) -> Path:
-        return self.run_dir / "checkpoints" / "last.pt"
+        return self.checkpoint_dir / LAST
 
     def save_checkpoint(self, rnd: int, wall: float) -> None:
         state = {
@@ -248,87 +268,209 @@ class Simulation:
             "executor": self.executor.state_dict(),
             "seen": sorted(self.seen),
             "ema": self.ema,
+            "empty_streak": self.empty_streak,
             "wall_s": wall,
+            "torch_threads": torch.get_num_threads(),
             "config": self.resolved,
         }
-        path = self.checkpoint_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(fd)
-        torch.save(state, tmp)
-        os.replace(tmp, path)  # atomic: a crash leaves the previous checkpoint intact
+        bad = nonfinite(state["algo"])
+        if bad:
+            raise RunFailed(f"round {rnd}: the server state became non-finite ({', '.join(bad[:5])})")
+        write_checkpoint(self.checkpoint_dir, state, rotate=self._rotate)
+        # Free saved client state only now that the checkpoints naming it are replaced: last.pt and prev.pt
+        # always find theirs, whenever the process is killed.
+        self.executor.retain([s for s in (self._saved_clients, state["executor"]) if s is not None])
+        self._saved_clients, self._rotate, self._saved_round = state["executor"], True, rnd
 
-    def load_checkpoint(self) -> tuple[int, float]:
-        state = torch.load(self.checkpoint_path, weights_only=False)
+    def resume_state(self) -> int | None:
+        """Load the newest usable checkpoint; returns its round, or None when the folder has none."""
+        remove_temporaries(self.checkpoint_dir)
+
+        def use(state: dict[str, Any]) -> None:
+            self.check_resumable(state)
+            self.executor.load_state_dict(state["executor"])  # refuses, changing nothing, if its state is gone
+
+        loaded, problems = load_latest(self.checkpoint_dir, use)
+        if loaded is None:
+            if problems:
+                raise CheckpointError(
+                    f"cannot resume {self.run_dir}: no usable checkpoint ({'; '.join(problems)}); "
+                    "start again with --overwrite (this deletes the run folder)"
+                )
+            return None
+        state = loaded.state
+        if problems:
+            self.warn(f"{'; '.join(problems)}: resuming from the previous checkpoint, round {state['round']}")
+        self.algo.load_state_dict(state["algo"])
+        self.seen = set(state["seen"])
+        self.ema = state["ema"]
+        self.empty_streak = state.get("empty_streak", 0)
+        self._wall_before = state["wall_s"]
+        self._saved_clients, self._rotate = state["executor"], loaded.path.name == LAST
+        self._saved_round = state["round"]
+        self.warn_thread_change(state.get("torch_threads"))
+        return state["round"]
+
+    def check_resumable(self, state: dict[str, Any]) -> None:
         changed = config_changes(state["config"], self.resolved)
         if changed:
             raise ConfigError(
                 f"cannot resume {self.run_dir}: its config differs from this one in {', '.join(changed)}; "
                 f"use a new run name or --overwrite (only {', '.join(RESUMABLE_CHANGES)} may change)"
             )
-        self.algo.load_state_dict(state["algo"])
-        self.executor.load_state_dict(state["executor"])
-        self.seen = set(state["seen"])
-        self.ema = state["ema"]
-        return state["round"], state["wall_s"]
+        if state["round"] > self.cfg.run.rounds:
+            raise ConfigError(
+                f"cannot resume {self.run_dir} with run.rounds={self.cfg.run.rounds}: it has already trained "
+                f"{state['round']} rounds; a run can be extended, not shortened (give -r {state['round']} or more, "
+                "or train fewer rounds under a new run name)"
+            )
 
-    # ------------------------------------------------------------------ the run
+    def warn_thread_change(self, before: int | None) -> None:
+        now = torch.get_num_threads()
+        if before is not None and before != now:
+            self.warn(
+                f"this run trained with {before} torch thread(s) and resumes with {now}: float sums then differ "
+                f"in the last bits, so it will not match an uninterrupted run bit for bit (set OMP_NUM_THREADS={before}"
+                " to match)"
+            )
+
+    # ------------------------------------------------------------------ the run folder
     def prepare_dir(self, resume: bool, overwrite: bool) -> int:
         """Set up the run folder; returns the last finished round (0 for a fresh run)."""
+        check_run_flags(resume, overwrite)
+        make_out_dir(Path(self.cfg.run.out_dir))
+        self._wall_before, self._saved_clients, self._rotate, self._saved_round = 0.0, None, True, 0
         if overwrite and self.run_dir.exists():
-            shutil.rmtree(self.run_dir)
-        if resume and self.checkpoint_path.exists():
-            done, self._wall_before = self.load_checkpoint()
-            truncate_after(self.run_dir / "metrics.jsonl", done)
-            truncate_after(self.run_dir / "failures.jsonl", done)
-            write_json_atomic(self.run_dir / "config.json", self.resolved)  # e.g. run.rounds raised to extend it
-            return done
-        if resume:  # crashed before its first checkpoint: start over, keeping nothing stale
-            truncate_after(self.run_dir / "metrics.jsonl", 0)
+            remove_run_dir(self.run_dir)
+        if resume and self.run_dir.is_dir():
+            done = self.resume_state()
+            if done is not None:
+                truncate_after(self.run_dir / "metrics.jsonl", done)
+                truncate_after(self.run_dir / "failures.jsonl", done)
+                write_json_atomic(self.run_dir / "config.json", self.resolved)  # e.g. run.rounds raised to extend it
+                self.record_environment(resumed_at=done)
+                return done
+            self.check_nothing_lost()
+            truncate_after(self.run_dir / "metrics.jsonl", 0)  # crashed before its first checkpoint: start over
             truncate_after(self.run_dir / "failures.jsonl", 0)
-        elif (self.run_dir / "metrics.jsonl").exists():
+        elif holds_run(self.run_dir):
             raise ConfigError(
                 f"run folder {str(self.run_dir)!r} already holds a run; pass --resume to continue "
                 "it, --overwrite to replace it, or choose another run.name"
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.executor.reset()  # a fresh run sees the client states of round 0: none, whatever a crash left
         write_json_atomic(self.run_dir / "config.json", self.resolved)
+        self.record_environment(resumed_at=None)
         return 0
 
+    def check_nothing_lost(self) -> None:
+        """Refuse to start over a run whose checkpoints are gone although it trained past the first one."""
+        records = read_metrics(self.run_dir / "metrics.jsonl")
+        saved = self.run_dir / "config.json"
+        every = read_json(saved)["run"]["checkpoint_every"] if saved.exists() else self.cfg.run.checkpoint_every
+        last = max((r["round"] for r in records), default=0)
+        if last > every:
+            raise CheckpointError(
+                f"cannot resume {self.run_dir}: metrics.jsonl goes to round {last} but checkpoints/ holds no "
+                "checkpoint (deleted?), so nothing can continue it; start again with --overwrite (this deletes the "
+                "run folder) or use a new run name"
+            )
+
+    def record_environment(self, resumed_at: int | None) -> None:
+        """provenance.json: what ran (data source and hash, versions, thread count), and every resume."""
+        path = self.run_dir / "provenance.json"
+        now = environment()
+        if resumed_at is None or not path.exists():
+            info = {**now, "data": self.fed.provenance, "resumes": []}
+        else:
+            info = read_json(path)
+            info.setdefault("resumes", []).append({"round": resumed_at, **now})
+        write_json_atomic(path, info)
+
+    def warn(self, text: str) -> None:
+        self.console.print(f"[yellow]warning:[/] {text}", highlight=False)
+
+    # ------------------------------------------------------------------ the run
     def run(self, resume: bool = False, overwrite: bool = False, stop_after: int | None = None) -> dict[str, Any]:
-        """Train to ``run.rounds`` (or stop after round ``stop_after``, used to test kill-and-resume)."""
-        self._wall_before = 0.0
+        """Train to ``run.rounds`` (or stop after round ``stop_after``, used to test kill-and-resume).
+
+        Raises ``RunFailed`` (after writing summary.json with the reason) when the run cannot go on: the global
+        model or server state turned non-finite, or ``run.max_empty_rounds`` rounds in a row had no client left."""
         done = self.prepare_dir(resume, overwrite)
+        self.warn_unmeasurable()
         metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
         failures_log = MetricsLog(self.run_dir / "failures.jsonl")
         rounds, started = self.cfg.run.rounds, time.perf_counter()
         last = stop_after if stop_after is not None else rounds
-        record: dict[str, Any] = {}
         with self._progress() as progress:
             task = progress.add_task(self.name, total=rounds, completed=done, acc="—")
             for rnd in range(done + 1, last + 1):
-                cids = self.sample_clients(rnd)
-                for phase_idx, phase in enumerate(self.algo.phases):
-                    result = self.run_phase(rnd, phase_idx, phase, cids)
-                    for f in result.failures:
-                        failures_log.append(f)
-                if rnd % self.cfg.run.eval_every == 0 or rnd == rounds:
-                    record = self.evaluate(rnd, result, started)
-                    metrics_log.append(record)
-                    progress.update(task, acc=f"{100 * record['test_acc']:.2f}%")
-                if rnd % self.cfg.run.checkpoint_every == 0 or rnd == last:
-                    self.save_checkpoint(rnd, self._wall_before + time.perf_counter() - started)
+                try:
+                    result = self.train_round(rnd, failures_log)
+                    if rnd % self.cfg.run.eval_every == 0 or rnd == rounds:
+                        record = self.evaluate(rnd, result, started)
+                        metrics_log.append(record)
+                        progress.update(task, acc=f"{100 * record['test_acc']:.2f}%")
+                    if rnd % self.cfg.run.checkpoint_every == 0 or rnd == last:
+                        self.save_checkpoint(rnd, self._wall_before + time.perf_counter() - started)
+                except RunFailed as err:
+                    kept = self._saved_round
+                    note = f"the last checkpoint (round {kept}) is kept" if kept else "no checkpoint was written"
+                    self.write_summary(rnd - 1, started, status="failed", error=str(err))
+                    raise RunFailed(f"{err}; stopped, {note}") from None
                 progress.update(task, advance=1)
         return self.write_summary(last, started)
 
-    def write_summary(self, last: int, started: float) -> dict[str, Any]:
-        from fedhet.results.store import read_metrics
+    def train_round(self, rnd: int, failures_log: MetricsLog) -> RoundResult:
+        """Every phase of round ``rnd``; raises ``RunFailed`` when the run cannot go on."""
+        cids = self.sample_clients(rnd)
+        empty = False
+        for phase_idx, phase in enumerate(self.algo.phases):
+            result = self.run_phase(rnd, phase_idx, phase, cids)
+            for f in result.failures:
+                failures_log.append(f)
+            if result.failures:
+                self.warn_dropped(rnd, phase, result)
+            empty = empty or not result.replies
+            bad = nonfinite({"global_params": self.algo.global_params, "global_buffers": self.algo.global_buffers})
+            if bad:
+                raise RunFailed(f"round {rnd} ({phase}): the global model became non-finite ({', '.join(bad)})")
+        self.empty_streak = self.empty_streak + 1 if empty else 0
+        limit = self.cfg.run.max_empty_rounds
+        if self.empty_streak >= limit:
+            raise RunFailed(
+                f"no client finished round {rnd}{f' or the {limit - 1} before it' if limit > 1 else ''} "
+                f"(run.max_empty_rounds={limit}); the errors are in {self.run_dir / 'failures.jsonl'}"
+            )
+        return result
 
+    def warn_dropped(self, rnd: int, phase: str, result: RoundResult) -> None:
+        n = len(result.failures) + len(result.replies)
+        first = result.failures[0]
+        self.warn(
+            f"round {rnd}{'' if phase == 'train' else f' ({phase})'}: dropped {len(result.failures)} of {n} "
+            f"clients (client {first['client']}: {first['error']}); see failures.jsonl"
+        )
+
+    def warn_unmeasurable(self) -> None:
+        clients = self.fed.clients
+        if not self.algo.personalized or all(len(c.y) == 0 for c in clients):  # no data here: held by nodes
+            return
+        if not any(c.y_test is not None and len(c.y_test) > 0 for c in clients):
+            self.warn(
+                f"{self.cfg.algorithm.name} is personalised, but the clients have no local test splits, so "
+                "personalised accuracy cannot be measured; set partition.local_test_fraction (e.g. 0.2)"
+            )
+
+    def write_summary(
+        self, last: int, started: float, status: str | None = None, error: str | None = None
+    ) -> dict[str, Any]:
         records = read_metrics(self.run_dir / "metrics.jsonl")
-        accs = [r["test_acc"] for r in records if "test_acc" in r]
+        accs = [r["test_acc"] for r in records if r.get("test_acc") is not None]
         summary = {
             "name": self.name,
-            "status": "finished" if last >= self.cfg.run.rounds else "stopped",
+            "status": status or ("finished" if last >= self.cfg.run.rounds else "stopped"),
             "rounds_done": last,
             "algorithm": self.cfg.algorithm.name,
             "dataset": self.cfg.dataset.name,
@@ -338,6 +480,8 @@ class Simulation:
             "best_test_acc": max(accs) if accs else None,
             "wall_time_s": round(self._wall_before + time.perf_counter() - started, 3),
         }
+        if error:
+            summary["error"] = error
         write_json_atomic(self.run_dir / "summary.json", summary)
         return summary
 

@@ -8,7 +8,8 @@ Three stores, chosen by ``run.client_state``:
 * ``memory``: a dict of tensors. Checkpoints embed it.
 * ``disk``: one file per client under the run folder; memory holds only the clients of the current round, so
   10,000 SCAFFOLD clients do not need 10,000 models in RAM. Checkpoints are hard-link snapshots of the folder (no
-  data is copied: files are replaced, never rewritten, so a snapshot keeps the version it linked).
+  data is copied: files are replaced, never rewritten, so a snapshot keeps the version it linked). A snapshot is
+  deleted only once no kept checkpoint names it.
 * ``auto`` (default): memory until the states exceed ``run.client_state_budget_mb``, then everything moves to disk.
 """
 
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from fedhet.engine.checkpoint import CheckpointError
 
 State = dict[str, torch.Tensor]
 
@@ -52,23 +55,31 @@ class MemoryStateStore:
     def items(self):
         return self._states.items()
 
+    def clear(self) -> None:
+        self._states, self.nbytes = {}, 0
+
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "memory", "states": self._states}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self._states = {}
-        self.nbytes = 0
+        self.clear()
         for cid, state in saved["states"].items():
             self.put(int(cid), state)
+
+    def retain(self, saved: list[dict[str, Any]]) -> None:
+        """Nothing to free: the checkpoints hold the states themselves."""
 
     def __len__(self) -> int:
         return len(self._states)
 
 
 class DiskStateStore:
-    """One file per client in ``root/current``; ``state_dict`` snapshots it by hard links in ``root/snapshots``."""
+    """One file per client in ``root/current``; ``state_dict`` snapshots it by hard links in ``root/snapshots``.
 
-    keep_snapshots = 2  # the newest checkpoint references one of the last two (a crash may fall between them)
+    A snapshot is named in the checkpoint relative to ``root`` (a moved run folder stays resumable) together with
+    the clients it holds, so a checkpoint whose snapshot lost files is refused instead of resuming on empty states.
+    Snapshots are freed only through ``retain``, after the checkpoints that name them have been replaced.
+    """
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -92,36 +103,61 @@ class DiskStateStore:
         torch.save(state, tmp)
         os.replace(tmp, self._path(cid))  # replaced, never rewritten in place: snapshots keep their version
 
+    def _clients(self) -> list[int]:
+        return sorted(int(p.stem) for p in self.current.glob("*.pt")) if self.current.exists() else []
+
     def items(self):
-        for p in sorted(self.current.glob("*.pt"), key=lambda q: int(q.stem)):
-            yield int(p.stem), torch.load(p, weights_only=True)
+        for cid in self._clients():
+            yield cid, torch.load(self._path(cid), weights_only=True)
+
+    def clear(self) -> None:
+        """Forget every state, live or snapshotted (a run starting from round 0)."""
+        shutil.rmtree(self.current, ignore_errors=True)
+        shutil.rmtree(self.snapshots, ignore_errors=True)
 
     def state_dict(self) -> dict[str, Any]:
-        snap = self.snapshots / f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"  # names sort by creation
+        name = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"  # names sort by creation
+        snap = self.snapshots / name
         snap.mkdir(parents=True)
-        for p in self.current.glob("*.pt") if self.current.exists() else []:
-            _link_or_copy(p, snap / p.name)
-        self._prune(keep=snap)
-        return {"kind": "disk", "snapshot": str(snap)}
+        clients = self._clients()
+        for cid in clients:
+            _link_or_copy(self._path(cid), snap / f"{cid}.pt")
+        return {"kind": "disk", "snapshot": name, "clients": clients}
 
-    def _prune(self, keep: Path) -> None:
-        snaps = sorted(self.snapshots.iterdir())
-        for old in snaps[: -self.keep_snapshots]:
-            if old != keep:
-                shutil.rmtree(old, ignore_errors=True)
+    def _snapshot(self, saved: dict[str, Any]) -> Path:
+        return self.snapshots / Path(saved["snapshot"]).name  # older checkpoints stored an absolute path
+
+    def check(self, saved: dict[str, Any]) -> None:
+        """Raise ``CheckpointError`` if the snapshot ``saved`` names is gone or lost client files."""
+        if saved["kind"] != "disk":
+            return
+        snap = self._snapshot(saved)
+        if not snap.is_dir():
+            raise CheckpointError(f"the client states it refers to ({snap}) are missing")
+        lost = [c for c in saved.get("clients", []) if not (snap / f"{c}.pt").exists()]
+        if lost:
+            raise CheckpointError(f"{snap} lost the states of clients {lost[:10]}{'...' if len(lost) > 10 else ''}")
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.check(saved)  # before anything is changed, so a refused checkpoint leaves the store as it was
         shutil.rmtree(self.current, ignore_errors=True)
         self.current.mkdir(parents=True)
         if saved["kind"] == "memory":
             for cid, state in saved["states"].items():
                 self.put(int(cid), state)
             return
-        for p in Path(saved["snapshot"]).glob("*.pt"):
+        for p in self._snapshot(saved).glob("*.pt"):
             _link_or_copy(p, self.current / p.name)
 
+    def retain(self, saved: list[dict[str, Any]]) -> None:
+        """Delete the snapshots that none of the ``saved`` states (those the kept checkpoints hold) names."""
+        keep = {self._snapshot(s).name for s in saved if s.get("kind") == "disk"}
+        for snap in sorted(self.snapshots.iterdir()) if self.snapshots.exists() else []:
+            if snap.name not in keep:
+                shutil.rmtree(snap, ignore_errors=True)
+
     def __len__(self) -> int:
-        return len(list(self.current.glob("*.pt"))) if self.current.exists() else 0
+        return len(self._clients())
 
 
 class AutoStateStore:
@@ -142,6 +178,7 @@ class AutoStateStore:
     def put(self, cid: int, state: State) -> None:
         self.store.put(cid, state)
         if not self.on_disk and self.store.nbytes > self.budget:
+            self.disk.clear()  # no checkpoint names a snapshot yet: all of them held the states in memory
             for other, saved in self.store.items():
                 self.disk.put(other, saved)
             self.store = self.disk
@@ -149,12 +186,24 @@ class AutoStateStore:
     def items(self):
         return self.store.items()
 
+    def clear(self) -> None:
+        self.disk.clear()
+        self.store = MemoryStateStore()
+
     def state_dict(self) -> dict[str, Any]:
         return self.store.state_dict()
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self.store = self.disk if saved["kind"] == "disk" else MemoryStateStore()
+        self.disk.check(saved)
+        if saved["kind"] == "disk":
+            self.store = self.disk
+        else:  # back before the spill: files a later round wrote must not come back when it spills again
+            self.disk.clear()
+            self.store = MemoryStateStore()
         self.store.load_state_dict(saved)
+
+    def retain(self, saved: list[dict[str, Any]]) -> None:
+        self.disk.retain(saved)
 
     def __len__(self) -> int:
         return len(self.store)

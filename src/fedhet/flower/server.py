@@ -215,6 +215,12 @@ class FlowerExecutor:
         # Client-held state stays on the SuperNodes (Context.state of this Flower run); nothing to save here.
         return {"kind": "flower"}
 
+    def reset(self) -> None:
+        """A fresh run: nothing to forget here (client-held state lives on the nodes)."""
+
+    def retain(self, states: list[dict[str, Any]]) -> None:
+        """Nothing saved here to free."""
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("kind") != "flower":
             log.warning("resuming a checkpoint written by the in-process simulation: its client-held state stays there")

@@ -9,6 +9,7 @@ the same folder and renamed over the old one, so readers see the old or the new 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import warnings
@@ -31,7 +32,7 @@ class MetricsLog:
     def append(self, record: dict) -> None:
         if "round" not in record:
             raise ValueError("a metrics record needs a 'round'")
-        line = json.dumps(record, default=_plain) + "\n"
+        line = to_json(record) + "\n"
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(line)
             f.flush()
@@ -69,7 +70,7 @@ def truncate_after(path: str | Path, round: int) -> int:
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:
     path = Path(path)
-    text = json.dumps(obj, indent=2, default=_plain) + "\n"
+    text = to_json(obj, indent=2) + "\n"
     _replace_atomic(path, text)
 
 
@@ -78,7 +79,7 @@ def read_json(path: str | Path) -> Any:
 
 
 def _rewrite_lines(path: Path, records: list[dict]) -> None:
-    _replace_atomic(path, "".join(json.dumps(r, default=_plain) + "\n" for r in records))
+    _replace_atomic(path, "".join(to_json(r) + "\n" for r in records))
 
 
 def _replace_atomic(path: Path, text: str) -> None:
@@ -93,10 +94,10 @@ def _replace_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     # Makes the rename itself durable on POSIX; directories cannot be opened this way on Windows.
     if not hasattr(os, "O_DIRECTORY"):
         return
@@ -113,6 +114,23 @@ def _has_torn_tail(path: Path) -> bool:
     with open(path, "rb") as f:
         f.seek(-1, os.SEEK_END)
         return f.read(1) != b"\n"
+
+
+def to_json(obj: Any, indent: int | None = None) -> str:
+    """Strict JSON: NaN and infinities (a diverged loss, say) become null, which every JSON reader accepts."""
+    return json.dumps(_finite(obj), indent=indent, default=_plain, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    if hasattr(value, "tolist"):  # numpy and torch scalars and arrays
+        return _finite(value.tolist())
+    return value
 
 
 def _plain(value: Any) -> Any:

@@ -1,0 +1,63 @@
+"""The run folder: where it may be, what --overwrite may delete, and what provenance.json records of the machine."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedhet.errors import ConfigError
+
+
+def check_run_flags(resume: bool, overwrite: bool) -> None:
+    if resume and overwrite:
+        raise ConfigError("--resume continues a run and --overwrite deletes it: give one of them, not both")
+
+
+def make_out_dir(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        why = "it is a file" if out_dir.is_file() else (err.strerror or str(err))
+        raise ConfigError(f"run.out_dir {str(out_dir)!r} cannot be used as the output folder: {why}") from None
+    if not out_dir.is_dir():
+        raise ConfigError(f"run.out_dir {str(out_dir)!r} cannot be used as the output folder: it is a file")
+
+
+RUN_MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
+
+
+def holds_run(folder: Path) -> bool:
+    return any((folder / m).exists() for m in RUN_MARKERS)
+
+
+def remove_run_dir(folder: Path) -> None:
+    """--overwrite: delete a run folder, and nothing that does not look like one."""
+    if not folder.is_dir():
+        raise ConfigError(f"--overwrite: {str(folder)!r} is a file, not a run folder; not deleting it")
+    if not holds_run(folder) and any(folder.iterdir()):
+        raise ConfigError(
+            f"--overwrite: {str(folder)!r} is not a fedhet run folder (no config.json, metrics.jsonl or "
+            "checkpoints/); not deleting it: choose another run.name or run.out_dir"
+        )
+    shutil.rmtree(folder)
+
+
+def environment() -> dict[str, Any]:
+    """What can change a run's last bits or explain a difference: versions and thread count."""
+    from importlib.metadata import version
+
+    return {
+        "fedhet": version("fedhet"),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch_threads": torch.get_num_threads(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
