@@ -84,11 +84,11 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
-def load_latest(folder: Path, check=None) -> tuple[Loaded | None, list[str]]:
+def load_latest(folder: Path, use=None) -> tuple[Loaded | None, list[str]]:
     """The newest usable checkpoint in ``folder`` (``last.pt``, else ``prev.pt``) and why others were skipped.
 
-    ``check(state)`` may raise ``CheckpointError`` for a checkpoint that reads fine but cannot be used (state it
-    refers to is missing); the next candidate is tried then."""
+    ``use(state)`` takes a checkpoint up; it may raise ``CheckpointError``, having changed nothing, for one that reads
+    fine but cannot be used (client states it names are gone), and the next candidate is tried then."""
     problems = []
     for name in (LAST, PREV):
         path = folder / name
@@ -96,11 +96,15 @@ def load_latest(folder: Path, check=None) -> tuple[Loaded | None, list[str]]:
             continue
         try:
             state = read_checkpoint(path)
-            if check is not None:
-                check(state)
-            return Loaded(path, state), problems
         except CheckpointError as err:
             problems.append(str(err))
+            continue
+        try:
+            if use is not None:
+                use(state)
+            return Loaded(path, state), problems
+        except CheckpointError as err:
+            problems.append(f"{path}: {err}")
     return None, problems
 
 
