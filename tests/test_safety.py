@@ -8,6 +8,8 @@ import math
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -264,8 +266,19 @@ def test_leftover_temporary_checkpoint_files_are_removed_on_resume(tiny_config):
     sim = Simulation(cfg)
     sim.run(stop_after=1)
     (sim.checkpoint_dir / ".ckpt-abc.tmp").write_bytes(b"half a checkpoint")
+    (sim.run_dir / ".metrics.jsonl.x1y2.tmp").write_text("half a file")
     Simulation(cfg).run(resume=True)
     assert sorted(p.name for p in sim.checkpoint_dir.iterdir()) == ["last.pt", "prev.pt"]
+    assert not list(sim.run_dir.glob(".*.tmp"))
+
+
+def test_a_failed_run_exits_1_with_one_line_and_no_traceback(tmp_path):
+    args = ["run", "-d", "digits", "-m", "mlp", "-n", "4", "-r", "3", "-o", str(tmp_path), "-s", "run.progress=false"]
+    args += ["-s", "partition.min_size=20", "-s", "train.lr=1e10", "-s", "run.max_empty_rounds=1"]
+    proc = subprocess.run([sys.executable, "-m", "fedhet.cli", *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "dropped 4 of 4 clients" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("failed: no client finished round 1")
 
 
 # ------------------------------------------------------------------ 5. failed clients and non-finite models
@@ -367,3 +380,11 @@ def test_thread_count_is_recorded_and_a_change_warned_about(tiny_config, capsys)
 def test_personalised_method_without_local_test_splits_says_so(tiny_config, capsys):
     Simulation(tiny_config(run={"name": "p", "rounds": 1}, algorithm={"name": "pfedme"})).run()
     assert "partition.local_test_fraction" in capsys.readouterr().err
+
+
+def test_printed_errors_keep_their_brackets():
+    """Rich read '[train]' in 'valid keys in [train]' as markup and printed 'valid keys in :'."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedhet.cli", "run", "-s", "train.lrr=1"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and "valid keys in [train]: participation" in proc.stderr, proc.stderr

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fedhet.errors import ConfigError, FedhetError, RunFailed
@@ -263,10 +264,10 @@ def main() -> None:
     try:
         app()
     except RunFailed as err:  # the run started and could not go on: exit 1, as a failed program does
-        err_console.print(f"[red]failed:[/] {err}")
+        err_console.print(f"[red]failed:[/] {escape(str(err))}", soft_wrap=True, highlight=False)
         sys.exit(1)
     except FedhetError as err:
-        err_console.print(f"[red]error:[/] {err}")
+        err_console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True, highlight=False)
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]: the last checkpoint is kept; continue with --resume")

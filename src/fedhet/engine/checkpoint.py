@@ -109,8 +109,8 @@ def load_latest(folder: Path, use=None) -> tuple[Loaded | None, list[str]]:
 
 
 def remove_temporaries(folder: Path) -> None:
-    """Temporary files a killed write left behind in ``folder`` (only fedhet's own ``.ckpt-*.tmp``)."""
-    for tmp in folder.glob(".ckpt-*.tmp") if folder.is_dir() else []:
+    """Temporary files a killed write left in ``folder``: fedhet's own, hidden and ending in ``.tmp``."""
+    for tmp in folder.glob(".*.tmp") if folder.is_dir() else []:
         tmp.unlink(missing_ok=True)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fedhet.algorithms import (
@@ -284,7 +285,8 @@ class Simulation:
 
     def resume_state(self) -> int | None:
         """Load the newest usable checkpoint; returns its round, or None when the folder has none."""
-        remove_temporaries(self.checkpoint_dir)
+        for folder in (self.run_dir, self.checkpoint_dir):
+            remove_temporaries(folder)
 
         def use(state: dict[str, Any]) -> None:
             self.check_resumable(state)
@@ -389,7 +391,7 @@ class Simulation:
         write_json_atomic(path, info)
 
     def warn(self, text: str) -> None:
-        self.console.print(f"[yellow]warning:[/] {text}", highlight=False)
+        self.console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
 
     # ------------------------------------------------------------------ the run
     def run(self, resume: bool = False, overwrite: bool = False, stop_after: int | None = None) -> dict[str, Any]:
