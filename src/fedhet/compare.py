@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from fedhet.config import apply_override, build_config, load_raw
-from fedhet.errors import ConfigError
+from fedhet.errors import ConfigError, RunFailed
 
 
 def parse_variant(text: str) -> tuple[str, str | None]:
@@ -72,16 +73,27 @@ def run_comparison(
     out_dir = Path(configs[0][2].run.out_dir)
     run_dirs = []
     feds: dict[int, Any] = {}
-    for _, seed, cfg in configs:
+    failed = []
+    for variant, seed, cfg in configs:
         if seed not in feds:
             feds[seed] = build_federation(cfg)
         sim = Simulation(cfg, fed=feds[seed], console=err_console)
-        sim.run(resume=resume, overwrite=overwrite)
+        try:
+            sim.run(resume=resume, overwrite=overwrite)
+        except RunFailed as err:  # one diverging cell must not cost the others
+            err_console.print(f"[red]failed:[/] {escape(f'{variant} seed {seed}: {err}')}", soft_wrap=True)
+            failed.append(f"{variant} seed {seed}")
+            if not (sim.run_dir / "metrics.jsonl").exists():
+                continue  # failed before its first evaluation: nothing to tabulate
         run_dirs.append(sim.run_dir)
+    if not run_dirs:
+        raise RunFailed(f"every run failed ({', '.join(failed)}); see their summary.json")
     groups = group_runs(load_runs(run_dirs))
     rows = summary_table(groups, metric="test_acc")
     print_table(rows, console)
     (out_dir / "comparison.md").write_text(to_markdown(rows) + "\n")
     plot = plot_curves(groups, out_dir / "comparison.png", metric="test_acc")
     console.print(f"table: {out_dir / 'comparison.md'}\nplot:  {plot}")
+    if failed:
+        raise RunFailed(f"{len(failed)} of {len(configs)} runs failed ({', '.join(failed)}); see their summary.json")
     return run_dirs
