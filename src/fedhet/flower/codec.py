@@ -28,6 +28,8 @@ SCALARS = "fedhet.scalars"
 METRICS = "fedhet.metrics"
 META = "fedhet.meta"
 STATE_PREFIX = "fedhet.state."
+HISTORY = "fedhet.history"  # server -> node: the run's attempts, for nodes that keep client state in a folder
+STATE_INFO = "fedhet.state_info"  # node -> server, in training replies: did the client find its state, what it keeps
 NUM_EXAMPLES = "num-examples"
 
 State = dict[str, torch.Tensor]
