@@ -1,7 +1,8 @@
 """fedhet on Flower's simulation runtime (Ray backend): one virtual SuperNode per client, ClientApps in Ray actors.
 
-SCAFFOLD keeps its control variates in each virtual node's Context.state; the run folder must hold exactly the
-metrics of the in-process simulation of the same config and seed.
+SCAFFOLD keeps its control variates in each virtual node's state folder (under the run folder's node_state); the
+run folder must hold exactly the metrics of the in-process simulation of the same config and seed, also after a
+kill and resume.
 """
 
 from __future__ import annotations
