@@ -159,7 +159,7 @@ class AutoStateStore:
 
 def save_state_file(state: State, path: Path) -> None:
     """Write ``state`` to ``path`` atomically: a temporary file in the same folder, then renamed over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="tmp", suffix=".tmp")
     os.close(fd)
     try:
         torch.save(state, tmp)

@@ -179,7 +179,7 @@ class FolderStore:
         for v in self.versions(folder):
             if v.path not in keep:
                 v.path.unlink(missing_ok=True)
-        for tmp in folder.glob("*.tmp") if folder.is_dir() else []:
+        for tmp in folder.glob("tmp*.tmp") if folder.is_dir() else []:  # save_state_file's leftovers
             tmp.unlink(missing_ok=True)
 
 
