@@ -3,7 +3,8 @@
 Each test starts its own SuperLink and SuperNodes on free loopback ports (insecure, then TLS with certificates made
 here plus SuperNode authentication), runs FedAvg and SCAFFOLD with ``flwr run`` on an app folder written by
 ``fedhet flower app``, and checks that the run folder holds exactly the metrics of the in-process simulation of the
-same config and seed (SCAFFOLD's control variates live in the SuperNodes' Context.state between rounds).
+same config and seed (SCAFFOLD's control variates live between rounds in the SuperNodes' state folders in the
+insecure test, in their Context.state in the TLS one).
 """
 
 from __future__ import annotations
@@ -171,8 +172,10 @@ def make_node_key(folder: Path, name: str) -> tuple[Path, Path]:
     return private, public
 
 
-def start_federation(tmp: Path, tls: bool) -> Processes:
-    """A SuperLink and two SuperNodes (client ids 0 and 1) on loopback; ``flwr`` connection named "test"."""
+def start_federation(tmp: Path, tls: bool, node_state: bool = False) -> Processes:
+    """A SuperLink and two SuperNodes (client ids 0 and 1) on loopback; ``flwr`` connection named "test".
+
+    ``node_state``: each SuperNode keeps its client's state in a state folder ``tmp/node_state/node<cid>``."""
     home = tmp / "flwr_home"
     home.mkdir()
     env = {
@@ -211,10 +214,13 @@ def start_federation(tmp: Path, tls: bool) -> Processes:
                 flwr(["supernode", "register", str(public), "test"], env, tmp)
                 auth = ["--auth-supernode-private-key", str(private)]
             node_port = free_port()
+            node_config = f"partition-id={cid} num-partitions=2"
+            if node_state:
+                node_config += f' state-dir="{tmp / "node_state" / f"node{cid}"}"'
             proc, log = procs.start(
                 f"supernode{cid}",
                 [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{port}", "--host", "127.0.0.1",
-                 "--port", str(node_port), "--node-config", f"partition-id={cid} num-partitions=2", *node_tls, *auth],
+                 "--port", str(node_port), "--node-config", node_config, *node_tls, *auth],
             )  # fmt: skip
             wait_for_port(node_port, proc, log)
     except BaseException:
@@ -250,9 +256,9 @@ def metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k != "elapsed_s"} for line in lines]
 
 
-def run_on_federation(tmp_path: Path, tls: bool, algorithms: tuple[str, ...]) -> None:
+def run_on_federation(tmp_path: Path, tls: bool, algorithms: tuple[str, ...], node_state: bool = False) -> None:
     """``algorithms`` (at the same time) on a fresh federation; each must match the in-process simulation."""
-    procs = start_federation(tmp_path, tls)
+    procs = start_federation(tmp_path, tls, node_state)
     runs = {}
     try:
         for algorithm in algorithms:
@@ -280,7 +286,10 @@ def run_on_federation(tmp_path: Path, tls: bool, algorithms: tuple[str, ...]) ->
 
 @pytest.mark.slow  # real processes: a few seconds per message (runs in `make test`; `-m "not slow"` skips it)
 def test_superlink_and_two_supernodes_insecure(tmp_path):
-    run_on_federation(tmp_path, tls=False, algorithms=("fedavg", "scaffold"))
+    # SuperNodes with state folders: SCAFFOLD's c_i are files there (one per client after the last round)
+    run_on_federation(tmp_path, tls=False, algorithms=("fedavg", "scaffold"), node_state=True)
+    versions = sorted(p.parent.name for p in (tmp_path / "node_state").rglob("r00000002-p000-*.pt"))
+    assert versions == ["client-0", "client-1"]
 
 
 @pytest.mark.slow

@@ -98,10 +98,7 @@ class DiskStateStore:
             self._path(cid).unlink(missing_ok=True)
             return
         self.current.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.current, suffix=".tmp")
-        os.close(fd)
-        torch.save(state, tmp)
-        os.replace(tmp, self._path(cid))  # replaced, never rewritten in place: snapshots keep their version
+        save_state_file(state, self._path(cid))  # replaced, never rewritten in place: snapshots keep their version
 
     def _clients(self) -> list[int]:
         return sorted(int(p.stem) for p in self.current.glob("*.pt")) if self.current.exists() else []
@@ -207,6 +204,22 @@ class AutoStateStore:
 
     def __len__(self) -> int:
         return len(self.store)
+
+
+def save_state_file(state: State, path: Path) -> None:
+    """Write ``state`` to ``path`` atomically: a temporary file in the same folder, then renamed over ``path``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="tmp", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_state_file(path: Path) -> State:
+    return torch.load(path, weights_only=True)
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

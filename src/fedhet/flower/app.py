@@ -33,8 +33,9 @@ from fedhet.flower.server import Exchange, FlowerExecutor, discover, server_fede
 RUN_CONFIG: dict[str, Any] = {
     "config": "fedhet.toml",  # the fedhet config, relative to the app folder (or absolute)
     "overrides": "",  # fedhet overrides, e.g. "train.lr=0.05 run.rounds=50 run.out_dir='/srv/runs'"
-    "resume": False,  # continue the run folder's last checkpoint (client-held state restarts on the nodes)
+    "resume": False,  # continue the run folder's last checkpoint (client state: nodes' state-dir, see deploy.md)
     "overwrite": False,  # replace an existing run folder
+    "accept-state-loss": False,  # go on when client-held state is lost (no node state folder), with a notice
     "round-timeout": 0.0,  # seconds a phase waits for replies before dropping the missing clients; 0: no limit
     "node-wait": 600.0,  # seconds to wait until every client is held by a connected SuperNode
 }
@@ -46,6 +47,7 @@ class RunOptions:
     overwrite: bool = False
     round_timeout: float = 0.0
     node_wait: float = 600.0
+    accept_state_loss: bool = False
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> RunOptions:
@@ -55,6 +57,7 @@ class RunOptions:
             overwrite=bool(rc["overwrite"]),
             round_timeout=float(rc["round-timeout"]),
             node_wait=float(rc["node-wait"]),
+            accept_state_loss=bool(rc["accept-state-loss"]),
         )
 
 
@@ -64,7 +67,16 @@ def run_server(grid: Grid, cfg: Config, options: RunOptions, console: Console | 
 
     resolve_config(cfg)  # a wrong name or value fails here, before waiting for any node
     nodes = discover(grid, cfg.partition.num_clients, options.node_wait)
-    executor = FlowerExecutor(grid, nodes, Exchange(grid, timeout=options.round_timeout or None), cfg.run.device)
+    name = cfg.run.name or cfg.default_name()
+    executor = FlowerExecutor(
+        grid,
+        nodes,
+        Exchange(grid, timeout=options.round_timeout or None),
+        cfg.run.device,
+        run_name=name,
+        notices=Path(cfg.run.out_dir) / name / "notices.jsonl",
+        accept_state_loss=options.accept_state_loss,
+    )
     sim = Simulation(cfg, fed=server_federation(cfg, nodes), console=console, executor=executor)
     return sim.run(resume=options.resume, overwrite=options.overwrite)
 

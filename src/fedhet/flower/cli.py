@@ -52,6 +52,27 @@ def simulate_cmd(
     num_cpus: Annotated[int | None, typer.Option("--num-cpus", help="CPUs Ray may use here (default: all).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run's last checkpoint.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run folder.")] = False,
+    node_state_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--node-state-dir",
+            help="Folder under which each virtual node keeps its clients' state across Flower runs, so --resume "
+            "continues it (default: node_state in the run folder).",
+        ),
+    ] = None,
+    no_node_state: Annotated[
+        bool,
+        typer.Option(
+            "--no-node-state", help="Keep client state only in Flower's Context.state (a resume cannot continue it)."
+        ),
+    ] = False,
+    accept_state_loss: Annotated[
+        bool,
+        typer.Option(
+            "--accept-state-loss",
+            help="Continue a run even where client-held state was lost (noted in notices.jsonl); otherwise it stops.",
+        ),
+    ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", help="Flower's debug logs.")] = False,
 ) -> None:
     """Run a config in Flower's Ray simulation (one virtual SuperNode per client); writes the usual run folder."""
@@ -60,8 +81,17 @@ def simulate_cmd(
     from fedhet.flower.raysim import run_ray_simulation
 
     cfg = _config(config, set_)
-    options = RunOptions(resume=resume, overwrite=overwrite)
-    summary = run_ray_simulation(cfg, options, client_cpus, client_gpus, num_cpus, verbose)
+    options = RunOptions(resume=resume, overwrite=overwrite, accept_state_loss=accept_state_loss)
+    summary = run_ray_simulation(
+        cfg,
+        options,
+        client_cpus,
+        client_gpus,
+        num_cpus,
+        verbose,
+        node_state_dir=node_state_dir,
+        node_state=not no_node_state,
+    )
     _print_final(summary, Path(cfg.run.out_dir) / summary["name"])
 
 

@@ -12,8 +12,9 @@ A SuperNode holds one or more clients of the federation, named by their client i
 
 The client update is the engine's ``ClientRunner``, built by the engine exactly as the in-process simulation builds
 it, so a client's reply depends only on (config, message, data, state), never on where it runs. Client-held state
-(SCAFFOLD's c_i, MOON's previous models) lives in the node's ``Context.state`` between rounds and is written back
-only when the client finishes cleanly.
+(SCAFFOLD's c_i, MOON's previous models) is written back only when the client finishes cleanly, to the node's state
+folder (``--node-config 'state-dir="..."'``: it survives Flower runs, so a resumed run continues it) or else to
+Flower's ``Context.state`` (lost when the Flower run ends); see ``fedhet.flower.node_state``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,6 +39,7 @@ from fedhet.engine.client import ClientRunner
 from fedhet.errors import ConfigError
 from fedhet.flower import codec
 from fedhet.flower.data import load_client_file
+from fedhet.flower.node_state import History, NodeStateStore, node_store, state_info
 
 CLIENT_ERROR = 2  # flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION
 LABEL_COUNTS = "fedhet.label_counts"
@@ -144,32 +147,36 @@ def node_clients(cfg: Config, node_config: dict[str, Any]) -> NodeClients:
 
 
 # --------------------------------------------------------------------------------------------- message handlers
-def describe(node: NodeClients) -> RecordDict:
-    """The node's answer to the server's first query: which clients it holds (and, for file data, their label
-    counts, which the server needs for the per-client-distribution metrics since it never sees the data)."""
+def describe(node: NodeClients, store: NodeStateStore) -> RecordDict:
+    """The node's answer to the server's first query: which clients it holds, whether their state survives the
+    Flower run (a state folder) and, for file data, their label counts, which the server needs for the
+    per-client-distribution metrics since it never sees the data."""
     cids = sorted(node.clients)
-    content = RecordDict({codec.META: ConfigRecord({"cids": cids, "from_file": node.from_file})})
+    meta = {"cids": cids, "from_file": node.from_file, "durable": store.durable}
+    content = RecordDict({codec.META: ConfigRecord(meta)})
     if node.from_file:
         counts = {str(c): node.clients[c].label_counts().long() for c in cids}
         content[LABEL_COUNTS] = codec.tensors_to_record(counts)
     return content
 
 
-def train(node: NodeClients, msg: FlowerMessage, context: Context, device: str) -> RecordDict:
+def train(node: NodeClients, msg: FlowerMessage, store: NodeStateStore, device: str) -> RecordDict:
     fed_msg, meta = codec.decode_message(msg.content, device)
-    cid = int(meta["cid"])
-    state = codec.load_state(context.state, cid, device)
-    reply, state = node.runner.run(
-        cid, int(meta["round"]), int(meta["phase_idx"]), str(meta["phase"]), fed_msg, node.data(cid), state
-    )
-    codec.save_state(context.state, cid, state)  # only reached when the client finished cleanly
-    return codec.encode_reply(reply)
+    cid, rnd, phase_idx = int(meta["cid"]), int(meta["round"]), int(meta["phase_idx"])
+    history = History.from_content(msg.content)
+    state = store.get(cid, history)
+    found = bool(state)
+    reply, state = node.runner.run(cid, rnd, phase_idx, str(meta["phase"]), fed_msg, node.data(cid), state)
+    store.put(cid, history, rnd, phase_idx, state)  # only reached when the client finished cleanly
+    content = codec.encode_reply(reply)
+    content[codec.STATE_INFO] = state_info(found, state)
+    return content
 
 
-def personal_accuracy(node: NodeClients, msg: FlowerMessage, context: Context, device: str) -> RecordDict:
+def personal_accuracy(node: NodeClients, msg: FlowerMessage, store: NodeStateStore, device: str) -> RecordDict:
     fed_msg, meta = codec.decode_message(msg.content, device)
     cid = int(meta["cid"])
-    state = codec.load_state(context.state, cid, device)
+    state = store.get(cid, History.from_content(msg.content))
     acc = node.runner.personal_accuracy(
         cid, int(meta["round"]), fed_msg, node.data(cid), state, int(meta["batch_size"])
     )
@@ -186,21 +193,28 @@ def respond(msg: FlowerMessage, work: Callable[[], RecordDict]) -> FlowerMessage
         return FlowerMessage(Error(code=CLIENT_ERROR, reason=f"{type(err).__name__}: {err} [{where}]"), reply_to=msg)
 
 
-def make_client_app(load_config: Callable[[Context], Config]) -> ClientApp:
-    """A ClientApp for the run whose fedhet config ``load_config(context)`` returns."""
+def make_client_app(
+    load_config: Callable[[Context], Config], state_root: Callable[[Config], str | Path | None] | None = None
+) -> ClientApp:
+    """A ClientApp for the run whose fedhet config ``load_config(context)`` returns.
+
+    A node keeps its clients' state in its ``state-dir`` node config folder; a node without one keeps it in a
+    subfolder of ``state_root(cfg)`` when that is given and not None (Flower's simulation: all nodes on one
+    machine), else in ``Context.state``."""
     app = ClientApp()
 
     def handle(msg: FlowerMessage, context: Context, handler) -> FlowerMessage:
         def work() -> RecordDict:
             cfg = load_config(context)
             node = node_clients(cfg, dict(context.node_config))
-            return handler(node, msg, context, cfg.run.device)
+            store = node_store(context, state_root(cfg) if state_root else None, cfg.run.device)
+            return handler(node, msg, store, cfg.run.device)
 
         return respond(msg, work)
 
     @app.query()
     def _query(msg: FlowerMessage, context: Context) -> FlowerMessage:
-        return handle(msg, context, lambda node, *_: describe(node))
+        return handle(msg, context, lambda node, _msg, store, _device: describe(node, store))
 
     @app.train()
     def _train(msg: FlowerMessage, context: Context) -> FlowerMessage:

@@ -9,8 +9,9 @@ so it maps one to one onto a Flower ``RecordDict``:
   (Flower's own key for aggregation weights, so Flower tooling reads our replies too)
 * which client, round and phase a message is for -> ``ConfigRecord`` under ``fedhet.meta``
 
-A client's persistent state (a dict of tensors) is kept in the SuperNode's ``Context.state`` as one ArrayRecord per
-client id. Nothing here knows about any algorithm.
+A node without a state folder keeps a client's persistent state (a dict of tensors) in the SuperNode's
+``Context.state`` as one ArrayRecord per client id (``fedhet.flower.node_state`` has the state folders). Nothing here
+knows about any algorithm.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ SCALARS = "fedhet.scalars"
 METRICS = "fedhet.metrics"
 META = "fedhet.meta"
 STATE_PREFIX = "fedhet.state."
+HISTORY = "fedhet.history"  # server -> node: the run's attempts, for nodes that keep client state in a folder
+STATE_INFO = "fedhet.state_info"  # node -> server, in training replies: did the client find its state, what it keeps
 NUM_EXAMPLES = "num-examples"
 
 State = dict[str, torch.Tensor]

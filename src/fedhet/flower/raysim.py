@@ -22,18 +22,27 @@ def run_ray_simulation(
     client_gpus: float = 0.0,
     num_cpus: int | None = None,
     verbose: bool = False,
+    node_state_dir: str | Path | None = None,
+    node_state: bool = True,
 ) -> dict[str, Any]:
     """Run ``cfg`` in Flower's simulation runtime (Ray backend); returns the run's summary.
 
     ``client_cpus`` / ``client_gpus`` are the resources of one ClientApp worker (Ray runs
-    floor(CPUs / client_cpus) workers at once); ``num_cpus`` caps what Ray may use on this machine."""
+    floor(CPUs / client_cpus) workers at once); ``num_cpus`` caps what Ray may use on this machine.
+
+    The virtual nodes keep their clients' state in a folder each under ``node_state_dir`` (default: the run folder's
+    ``node_state``), so ``resume`` continues it exactly; ``node_state=False`` keeps it in Flower's Context.state
+    only (lost when this Flower run ends)."""
     from flwr.simulation import run_simulation
 
     options = options or RunOptions()
     init_args: dict[str, Any] = {"num_cpus": num_cpus} if num_cpus else {}
+    run_dir = Path(cfg.run.out_dir) / (cfg.run.name or cfg.default_name())
+    # absolute: Ray's workers need not share this process's working directory
+    root = str(Path(node_state_dir or run_dir / "node_state").expanduser().resolve()) if node_state else None
     run_simulation(
         server_app=make_server_app(lambda _: cfg, lambda _: options),
-        client_app=make_client_app(lambda _: cfg),
+        client_app=make_client_app(lambda _: cfg, (lambda _: root) if root else None),
         num_supernodes=cfg.partition.num_clients,
         backend_name="ray",
         backend_config={
@@ -42,5 +51,4 @@ def run_ray_simulation(
         },
         verbose_logging=verbose,
     )
-    run_dir = Path(cfg.run.out_dir) / (cfg.run.name or cfg.default_name())
     return read_json(run_dir / "summary.json")

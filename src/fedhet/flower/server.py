@@ -6,14 +6,22 @@ to the node that holds that client and turns the replies back into ``Reply`` obj
 raises or does not answer in time is dropped from the round and recorded in failures.jsonl, as in the simulation.
 
 Server-held per-client state (FedBC's lambda_i) lives in the algorithm object, so it is in the ServerApp's
-checkpoints. Client-held state lives on the SuperNodes, in Flower's ``Context.state`` of the run.
+checkpoints. Client-held state lives on the SuperNodes: in a state folder of the node's own, which survives Flower
+runs, or in Flower's ``Context.state``, which does not (``fedhet.flower.node_state``). The executor's checkpointed
+state is the run's history of attempts (which of the nodes' state versions a resume continues from) and which
+clients keep state. Lost client state (a resume over nodes without a state folder, a node that restarted, a
+deleted folder) is never passed over silently: it is written to the run folder's ``notices.jsonl``, logged as a
+warning, and stops the run unless the run accepts the loss (``accept_state_loss``).
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,6 +36,8 @@ from fedhet.data.federated import FederatedDataset
 from fedhet.errors import FedhetError
 from fedhet.flower import codec
 from fedhet.flower.client import label_counts_from
+from fedhet.flower.node_state import Attempt, History, safe_name
+from fedhet.results.store import MetricsLog
 
 log = logging.getLogger("fedhet.flower")
 
@@ -43,6 +53,11 @@ class Nodes:
     holder: dict[int, int] = field(default_factory=dict)  # client id -> node id
     label_counts: dict[int, np.ndarray] = field(default_factory=dict)  # only for nodes with their own data files
     from_file: bool = False
+    durable: dict[int, bool] = field(default_factory=dict)  # node id -> keeps client state in a state folder
+
+    def volatile(self, cids) -> list[int]:
+        """Those of ``cids`` whose node keeps their state only in Context.state (lost with the Flower run)."""
+        return sorted(c for c in cids if c in self.holder and not self.durable.get(self.holder[c], False))
 
 
 class Exchange:
@@ -111,6 +126,7 @@ def register(nodes: Nodes, node_id: int, reply: FlowerMessage) -> None:
     if nodes.holder and from_file != nodes.from_file:
         raise NodeError("some SuperNodes read data-path files and others rebuild partitions; use one kind")
     nodes.from_file = from_file
+    nodes.durable[node_id] = bool(meta.get("durable", False))
     for cid in meta["cids"]:
         if cid in nodes.holder and nodes.holder[cid] != node_id:
             raise NodeError(f"client {cid} is held by two SuperNodes ({nodes.holder[cid]} and {node_id})")
@@ -159,21 +175,63 @@ def failure(rnd: int, phase: str, cid: int, why: str) -> dict[str, Any]:
     return {"round": rnd, "phase": phase, "client": cid, "error": why, "where": ["flower"]}
 
 
-class FlowerExecutor:
-    """Runs a phase by sending each client's message to the node that holds it (``fedhet.engine.client.Executor``)."""
+class StateLost(NodeError):
+    """Client-held state that the run needs is gone, and the run was not told to accept that."""
 
-    def __init__(self, grid: Grid, nodes: Nodes, exchange: Exchange, device: torch.device | str = "cpu") -> None:
+
+class FlowerExecutor:
+    """Runs a phase by sending each client's message to the node that holds it (``fedhet.engine.client.Executor``).
+
+    ``run_name`` names the run's folder on nodes with a state folder; ``notices`` is the run folder's
+    notices.jsonl; ``accept_state_loss`` lets a run go on when client-held state is lost (see ``state_lost``)."""
+
+    def __init__(
+        self,
+        grid: Grid,
+        nodes: Nodes,
+        exchange: Exchange,
+        device: torch.device | str = "cpu",
+        run_name: str = "run",
+        notices: str | Path | None = None,
+        accept_state_loss: bool = False,
+    ) -> None:
         self.grid = grid
         self.nodes = nodes
         self.exchange = exchange
         self.device = device
+        self.notices = None if notices is None else Path(notices)
+        self.accept_state_loss = accept_state_loss
+        # The run's history of attempts (node_state.History): a fresh run is one attempt starting at round 0; a
+        # resume replaces run and history with the checkpoint's and adds this attempt.
+        self.run = f"{safe_name(run_name, 60)}-{uuid.uuid4().hex[:12]}"
+        self.attempt = uuid.uuid4().hex[:16]
+        self.history: list[dict[str, Any]] = []  # earlier attempts: {"id", "start", "end"}
+        self.start = 0  # the round this attempt resumed from
+        self.round = 0  # the last round this attempt sent messages for
+        self.checkpoint = 0  # the newest checkpoint known to be on disk
+        self.pending: int | None = None  # a checkpoint being written (see state_dict)
+        self.with_state: set[int] = set()  # clients whose node keeps client-held state for them
+        self.state_keys: set[str] = set()  # what that state is (SCAFFOLD: c_i)
+        self.told_volatile = False
+
+    # ------------------------------------------------------------------ messages
+    def current_history(self, rnd: int) -> History:
+        attempts = [Attempt(a["id"], int(a["start"]), int(a["end"])) for a in self.history]
+        return History(self.run, (*attempts, Attempt(self.attempt, self.start, rnd)), self.checkpoint)
 
     def messages(self, kind: str, rnd: int, msgs: dict[int, Message], meta: dict[str, Any]) -> dict[int, FlowerMessage]:
+        if self.pending is not None and rnd > self.pending:
+            # state_dict() is called while a checkpoint is written, and the next round starts only once it is on
+            # disk: from now on nodes may drop the state versions that only older checkpoints needed.
+            self.checkpoint, self.pending = self.pending, None
+        self.round = max(self.round, rnd)
+        history = self.current_history(rnd).to_record()
         encoded: dict[int, Any] = {}  # a message sent unchanged to many clients is encoded once
         out = {}
         for cid, msg in msgs.items():
             tensors = encoded.setdefault(id(msg), codec.tensors_to_record(msg.tensors))
             content = codec.encode_message(msg, {"cid": cid, "round": rnd, **meta}, tensors)
+            content[codec.HISTORY] = history
             out[cid] = FlowerMessage(content, dst_node_id=self.nodes.holder[cid], message_type=kind, group_id=str(rnd))
         return out
 
@@ -183,16 +241,80 @@ class FlowerExecutor:
         sent = self.messages("train", rnd, msgs, {"phase_idx": phase_idx, "phase": phase})
         answers, missing = self.exchange(sent)
         failures = [failure(rnd, phase, cid, why) for cid, why in missing.items()]
-        replies = {}
+        replies, infos = {}, {}
         for cid, answer in answers.items():
             if answer.has_error():
                 failures.append(failure(rnd, phase, cid, error_text(answer)))
                 continue
             try:
                 replies[cid] = codec.decode_reply(answer.content, self.device)
+                info = answer.content[codec.STATE_INFO]
+                infos[cid] = (bool(info["found"]), [str(k) for k in info["keys"]])
             except Exception as err:  # a malformed reply drops that client, not the run
+                replies.pop(cid, None)
                 failures.append(failure(rnd, phase, cid, f"unreadable reply: {type(err).__name__}: {err}"))
+        self.track_state(rnd, infos)
         return replies, sorted(failures, key=lambda f: f["client"])
+
+    def track_state(self, rnd: int, infos: dict[int, tuple[bool, list[str]]]) -> None:
+        """Follow which clients keep state, and stop on state that was there and is gone."""
+        lost = sorted(cid for cid, (found, _) in infos.items() if cid in self.with_state and not found)
+        if lost:
+            where = "nodes without a state folder" if self.nodes.volatile(lost) == lost else "their nodes"
+            self.state_lost(
+                rnd,
+                lost,
+                f"the client-held state ({', '.join(sorted(self.state_keys)) or 'state'}) of clients {short(lost)} "
+                f"was not on {where} in round {rnd} (a node restarted, or its state folder was removed or "
+                "changed?); those clients started that state afresh",
+            )
+        for cid, (_, keys) in infos.items():
+            if keys:
+                self.with_state.add(cid)
+                self.state_keys.update(keys)
+            else:
+                self.with_state.discard(cid)
+        volatile = self.nodes.volatile(c for c, (_, keys) in infos.items() if keys)
+        if volatile and not self.told_volatile:
+            self.told_volatile = True
+            self.notice(
+                rnd,
+                "client_state_not_durable",
+                volatile,
+                "continued",
+                f"clients {short(volatile)} keep client-held state ({', '.join(sorted(self.state_keys))}) on nodes "
+                "without a state folder (only in Flower's Context.state): resuming this run would lose it; give "
+                "those nodes a state folder (--node-config 'state-dir=\"...\"') to make it resumable",
+            )
+
+    def state_lost(self, rnd: int, cids: list[int], message: str) -> None:
+        """Record lost client-held state; stop the run (``StateLost``) unless it accepts the loss."""
+        action = "accepted" if self.accept_state_loss else "refused"
+        self.notice(rnd, "client_state_lost", cids, action, message)
+        if not self.accept_state_loss:
+            raise StateLost(
+                f"{message}. Continuing would give results that an uninterrupted run would not; to continue anyway "
+                "set accept-state-loss=true in the run config (fedhet flower simulate --accept-state-loss)"
+            )
+        self.with_state.difference_update(cids)
+
+    def notice(self, rnd: int, kind: str, cids: list[int], action: str, message: str) -> None:
+        """A line in the run folder's notices.jsonl and a warning on the console."""
+        log.warning("%s (%s)", message, action)
+        if self.notices is None:
+            return
+        record = {
+            "round": rnd,
+            "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "kind": kind,
+            "action": action,
+            "clients": [int(c) for c in cids],
+            "state": sorted(self.state_keys),
+            "nodes": sorted({int(self.nodes.holder[c]) for c in cids if c in self.nodes.holder}),
+            "attempt": self.attempt,
+            "message": message,
+        }
+        MetricsLog(self.notices).append(record)
 
     def personal_accuracies(
         self, rnd: int, cids: list[int], msg: Message, batch_size: int
@@ -211,9 +333,19 @@ class FlowerExecutor:
             log.warning("personalised evaluation of client %s: %s", cid, why)
         return dict(sorted(out.items()))
 
+    # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        # Client-held state stays on the SuperNodes (Context.state of this Flower run); nothing to save here.
-        return {"kind": "flower"}
+        """Plain data for the checkpoint. Called by ``Simulation.save_checkpoint`` after round ``self.round``; nodes
+        learn of the checkpoint (and may prune what only older ones needed) with the next round's messages."""
+        self.pending = self.round
+        attempts = [*self.history, {"id": self.attempt, "start": self.start, "end": self.round}]
+        return {
+            "kind": "flower",
+            "run": self.run,
+            "attempts": [dict(a) for a in attempts],
+            "with_state": sorted(self.with_state),
+            "state_keys": sorted(self.state_keys),
+        }
 
     def reset(self) -> None:
         """A fresh run: nothing to forget here (client-held state lives on the nodes)."""
@@ -222,5 +354,41 @@ class FlowerExecutor:
         """Nothing saved here to free."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: continue the checkpoint's history, and make sure the clients' own state is still there."""
         if state.get("kind") != "flower":
-            log.warning("resuming a checkpoint written by the in-process simulation: its client-held state stays there")
+            cids = in_process_state_clients(state)
+            if cids:
+                self.state_lost(
+                    0,
+                    cids,
+                    f"this checkpoint was written by the in-process simulation: the client-held state of clients "
+                    f"{short(cids)} stays in its run folder, the Flower nodes start it afresh",
+                )
+            return
+        if "attempts" not in state:  # written before nodes kept state in folders: nothing to continue from
+            log.warning("this checkpoint does not say which clients keep state; the nodes start it afresh")
+            return
+        self.run = str(state["run"])
+        self.history = [dict(a) for a in state["attempts"]]
+        self.start = self.round = self.checkpoint = int(self.history[-1]["end"])
+        self.with_state = {int(c) for c in state["with_state"]}
+        self.state_keys = {str(k) for k in state["state_keys"]}
+        lost = self.nodes.volatile(self.with_state)
+        if lost:
+            self.state_lost(
+                self.start,
+                lost,
+                f"resuming at round {self.start}, the client-held state ({', '.join(sorted(self.state_keys))}) of "
+                f"clients {short(lost)} is lost: their nodes have no state folder, so it ended with the Flower run "
+                "that was interrupted",
+            )
+
+
+def in_process_state_clients(state: dict[str, Any]) -> list[int]:
+    """The clients with client-held state in an in-process checkpoint's executor state."""
+    store = state.get("clients") or {}
+    if store.get("kind") == "memory":
+        return sorted(int(c) for c, s in store.get("states", {}).items() if s)
+    if store.get("kind") == "disk":
+        return sorted(int(p.stem) for p in Path(store["snapshot"]).glob("*.pt"))
+    return []
