@@ -21,6 +21,7 @@ pytest.importorskip("flwr")
 
 from flwr.app import RecordDict  # noqa: E402
 
+from fedhet.engine.checkpoint import read_checkpoint  # noqa: E402
 from fedhet.engine.client import ClientRunner  # noqa: E402
 from fedhet.engine.simulation import Simulation  # noqa: E402
 from fedhet.flower.app import RunOptions, run_server  # noqa: E402
@@ -88,7 +89,7 @@ def notices(run_dir) -> list[dict]:
 
 
 def final_params(run_dir) -> torch.Tensor:
-    return torch.load(run_dir / "checkpoints" / "last.pt", weights_only=False)["algo"]["global_params"]
+    return read_checkpoint(run_dir / "checkpoints" / "last.pt")["algo"]["global_params"]
 
 
 def reference(tiny_config, tmp_path, **kw):
@@ -123,9 +124,9 @@ def test_resume_between_checkpoints_continues_client_state_exactly(tiny_config, 
     assert records(run_dir) == want
     assert torch.equal(final_params(run_dir), want_params)
     assert notices(run_dir) == []
-    # each client keeps at most two versions: the checkpoint's (round 4) and its newest (round 5)
+    # each client keeps three versions: those of last.pt (round 4) and prev.pt (round 2), and its newest (round 5)
     files = version_files(state)
-    assert len(files) == 8 and all("r00000004" in f or "r00000005" in f for f in files), files
+    assert len(files) == 12 and all(any(f"r0000000{r}" in f for r in (2, 4, 5)) for f in files), files
 
 
 @pytest.mark.parametrize("algorithm", ["feddyn", "moon", "pfedme", "fedbc"])
@@ -225,28 +226,36 @@ def test_folder_store_reads_the_histories_version_and_prunes_only_its_own_files(
     store = FolderStore(tmp_path / "node")
     a, b, c = "aa", "bb", "cc"
 
-    def history(*attempts, checkpoint):
-        return History("run-1", tuple(Attempt(*x) for x in attempts), checkpoint)
+    def history(*attempts, checkpoints):
+        return History("run-1", tuple(Attempt(*x) for x in attempts), checkpoints)
 
     def put(h, rnd, value):
         store.put(7, h, rnd, 0, {"x": torch.tensor([float(value)])})
 
-    h1 = history((a, 0, 3), checkpoint=2)
+    h1 = history((a, 0, 3), checkpoints=(2,))
     for rnd in (1, 2, 3):
         put(h1, rnd, rnd)
     folder = store.folder("run-1", 7)
     (folder / "notes.txt").write_text("not ours")
     assert sorted(p.name for p in folder.glob("*.pt")) == ["r00000002-p000-aa.pt", "r00000003-p000-aa.pt"]
     # attempt b resumes from round 2: attempt a's round-3 version is not part of its history
-    h2 = history((a, 0, 2), (b, 2, 3), checkpoint=2)
+    h2 = history((a, 0, 2), (b, 2, 3), checkpoints=(2,))
     assert store.get(7, h2)["x"].item() == 2.0
     put(h2, 3, 30)
     assert store.get(7, h2)["x"].item() == 30.0
     # attempt c resumes from round 3 (b's checkpoint)
-    h3 = history((a, 0, 2), (b, 2, 3), (c, 3, 4), checkpoint=3)
+    h3 = history((a, 0, 2), (b, 2, 3), (c, 3, 4), checkpoints=(3,))
     assert store.get(7, h3)["x"].item() == 30.0
     put(h3, 4, 40)
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt", "r00000003-p000-bb.pt", "r00000004-p000-cc.pt"]
+    # two kept checkpoints (last.pt at round 4, prev.pt at round 3): each keeps the version it resumes from
+    h4 = history((a, 0, 2), (b, 2, 3), (c, 3, 5), checkpoints=(3, 4))
+    put(h4, 5, 50)
+    assert sorted(p.name for p in folder.glob("*.pt")) == [
+        "r00000003-p000-bb.pt",
+        "r00000004-p000-cc.pt",
+        "r00000005-p000-cc.pt",
+    ]
     # an algorithm that clears its state: the empty version shadows the older ones
     store.put(7, h3, 4, 1, {})
     assert store.get(7, h3) == {}

@@ -24,6 +24,7 @@ from fedhet.config import TrainSection
 from fedhet.data.augment import Augment
 from fedhet.engine.evaluate import evaluate
 from fedhet.engine.flat import FlatModel
+from fedhet.engine.checkpoint import CheckpointError
 from fedhet.engine.state import MemoryStateStore, State
 
 
@@ -182,6 +183,11 @@ class LocalExecutor:
         return {"clients": self.store.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "clients" not in state:
+            raise CheckpointError(
+                f"it was written by a {state.get('kind', 'different')} run, whose client-held state is not in this "
+                "run folder; resume it the way it ran (fedhet flower simulate --resume)"
+            )
         self.store.load_state_dict(state["clients"])
 
     def reset(self) -> None:

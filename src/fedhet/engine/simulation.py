@@ -450,9 +450,10 @@ class Simulation:
     def warn_dropped(self, rnd: int, phase: str, result: RoundResult) -> None:
         n = len(result.failures) + len(result.replies)
         first = result.failures[0]
+        why = first["error"] if len(first["error"]) <= 160 else first["error"][:157] + "..."
         self.warn(
             f"round {rnd}{'' if phase == 'train' else f' ({phase})'}: dropped {len(result.failures)} of {n} "
-            f"clients (client {first['client']}: {first['error']}); see failures.jsonl"
+            f"clients (client {first['client']}: {why}); see failures.jsonl"
         )
 
     def warn_unmeasurable(self) -> None:

@@ -9,14 +9,15 @@ keeps the history of the attempts that led to its checkpoint and sends it with e
   for every round up to the message's; an earlier one for the rounds in (start, end], where ``end`` is the round of
   the checkpoint the next attempt resumed from. What a killed attempt wrote after that checkpoint belongs to no
   attempt of the history, so it is never read again, however far that attempt got;
-* ``checkpoint``: the round of the newest checkpoint the server has written (and so may resume from).
+* ``checkpoints``: the rounds of the checkpoints the server keeps (``last.pt`` and ``prev.pt``: it may resume from
+  either).
 
 A node with a state folder (``--node-config 'state-dir="/var/lib/fedhet"'``) writes each client's state after each
 training as a new file ``<state-dir>/<run>/client-<id>/r<round>-p<phase>-<attempt>.pt`` (a temporary file, then
 renamed: a crash leaves the previous versions intact) and reads the newest version that the history counts. After
 writing, it deletes the client's versions that no resume can need any more: it keeps the newest counted version at
-or before the checkpoint round and the newest counted version overall. It never deletes anything but version files
-in its own client folders.
+or before each kept checkpoint's round and the newest counted version overall. It never deletes anything but
+version files in its own client folders.
 
 A node without a state folder keeps the state in ``Context.state``, which ends with the Flower run: it says so in its
 answer to the server's query (``durable``), and every training reply says whether the client found the state the
@@ -62,7 +63,7 @@ class History:
 
     run: str
     attempts: tuple[Attempt, ...]
-    checkpoint: int
+    checkpoints: tuple[int, ...]
 
     def counts(self, attempt: str, rnd: int) -> bool:
         """Whether a version written by ``attempt`` at round ``rnd`` belongs to this history."""
@@ -75,7 +76,7 @@ class History:
                 "attempts": [a.id for a in self.attempts],
                 "starts": [a.start for a in self.attempts],
                 "ends": [a.end for a in self.attempts],
-                "checkpoint": self.checkpoint,
+                "checkpoints": list(self.checkpoints),
             }
         )
 
@@ -88,7 +89,7 @@ class History:
         if not all(isinstance(i, str) and ATTEMPT.fullmatch(i) for i in ids):
             raise ConfigError(f"attempt ids must be hexadecimal, got {ids}")
         attempts = tuple(Attempt(str(i), int(s), int(e)) for i, s, e in zip(ids, starts, ends, strict=True))
-        return cls(str(record["run"]), attempts, int(record["checkpoint"]))
+        return cls(str(record["run"]), attempts, tuple(int(c) for c in record["checkpoints"]))
 
 
 class NodeStateStore(Protocol):
@@ -170,12 +171,14 @@ class FolderStore:
         self.prune(folder, history)
 
     def prune(self, folder: Path, history: History) -> None:
-        """Delete the versions no resume can need: all but the newest counted one at or before the checkpoint round
-        and the newest counted one. Versions of attempts outside the history (what a killed attempt wrote after its
-        last checkpoint, or a run started afresh) are never read again, so they go too; so do leftover temporaries."""
+        """Delete the versions no resume can need: all but the newest counted one at or before each kept
+        checkpoint's round and the newest counted one. Versions of attempts outside the history (what a killed attempt
+        wrote after its last checkpoint, or a run started afresh) are never read again, so they go too; so do leftover
+        temporaries."""
         counted = self.counted(folder, history)
         keep = {v.path for v in counted[-1:]}
-        keep.update(v.path for v in [v for v in counted if v.round <= history.checkpoint][-1:])
+        for rnd in history.checkpoints:
+            keep.update(v.path for v in [v for v in counted if v.round <= rnd][-1:])
         for v in self.versions(folder):
             if v.path not in keep:
                 v.path.unlink(missing_ok=True)

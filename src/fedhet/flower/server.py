@@ -208,8 +208,7 @@ class FlowerExecutor:
         self.history: list[dict[str, Any]] = []  # earlier attempts: {"id", "start", "end"}
         self.start = 0  # the round this attempt resumed from
         self.round = 0  # the last round this attempt sent messages for
-        self.checkpoint = 0  # the newest checkpoint known to be on disk
-        self.pending: int | None = None  # a checkpoint being written (see state_dict)
+        self.checkpoints: tuple[int, ...] = ()  # the rounds of the checkpoints the server keeps (see retain)
         self.with_state: set[int] = set()  # clients whose node keeps client-held state for them
         self.state_keys: set[str] = set()  # what that state is (SCAFFOLD: c_i)
         self.told_volatile = False
@@ -217,13 +216,9 @@ class FlowerExecutor:
     # ------------------------------------------------------------------ messages
     def current_history(self, rnd: int) -> History:
         attempts = [Attempt(a["id"], int(a["start"]), int(a["end"])) for a in self.history]
-        return History(self.run, (*attempts, Attempt(self.attempt, self.start, rnd)), self.checkpoint)
+        return History(self.run, (*attempts, Attempt(self.attempt, self.start, rnd)), self.checkpoints)
 
     def messages(self, kind: str, rnd: int, msgs: dict[int, Message], meta: dict[str, Any]) -> dict[int, FlowerMessage]:
-        if self.pending is not None and rnd > self.pending:
-            # state_dict() is called while a checkpoint is written, and the next round starts only once it is on
-            # disk: from now on nodes may drop the state versions that only older checkpoints needed.
-            self.checkpoint, self.pending = self.pending, None
         self.round = max(self.round, rnd)
         history = self.current_history(rnd).to_record()
         encoded: dict[int, Any] = {}  # a message sent unchanged to many clients is encoded once
@@ -336,8 +331,7 @@ class FlowerExecutor:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Plain data for the checkpoint. Called by ``Simulation.save_checkpoint`` after round ``self.round``; nodes
-        learn of the checkpoint (and may prune what only older ones needed) with the next round's messages."""
-        self.pending = self.round
+        learn of the checkpoint once it is on disk (``retain``), with the next round's messages."""
         attempts = [*self.history, {"id": self.attempt, "start": self.start, "end": self.round}]
         return {
             "kind": "flower",
@@ -351,7 +345,9 @@ class FlowerExecutor:
         """A fresh run: nothing to forget here (client-held state lives on the nodes)."""
 
     def retain(self, states: list[dict[str, Any]]) -> None:
-        """Nothing saved here to free."""
+        """The checkpoints on disk are now those holding ``states``: from the next round on, nodes may drop the
+        state versions that only older checkpoints needed."""
+        self.checkpoints = tuple(sorted(int(s["attempts"][-1]["end"]) for s in states if s.get("attempts")))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: continue the checkpoint's history, and make sure the clients' own state is still there."""
@@ -370,7 +366,8 @@ class FlowerExecutor:
             return
         self.run = str(state["run"])
         self.history = [dict(a) for a in state["attempts"]]
-        self.start = self.round = self.checkpoint = int(self.history[-1]["end"])
+        self.start = self.round = int(self.history[-1]["end"])
+        self.checkpoints = (self.start,)
         self.with_state = {int(c) for c in state["with_state"]}
         self.state_keys = {str(k) for k in state["state_keys"]}
         lost = self.nodes.volatile(self.with_state)
