@@ -22,9 +22,9 @@ import torch
 from fedhet.algorithms.base import Algorithm, ClientContext, ClientData, Message, Reply
 from fedhet.config import TrainSection
 from fedhet.data.augment import Augment
+from fedhet.engine.checkpoint import CheckpointError
 from fedhet.engine.evaluate import evaluate
 from fedhet.engine.flat import FlatModel
-from fedhet.engine.checkpoint import CheckpointError
 from fedhet.engine.state import MemoryStateStore, State
 
 
