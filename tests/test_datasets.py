@@ -190,37 +190,112 @@ def test_search_order_data_dir_then_fedhet_data_name_then_root(tmp_path, monkeyp
     monkeypatch.setenv("FEDHET_DATA", str(env))
     assert np.array_equal(load_dataset("mnist", tmp_path / "explicit").y_train, explicit["y_train"])
     assert np.array_equal(load_dataset("mnist").y_train, in_named["y_train"])
-    assert np.array_equal(load_dataset("mnist", tmp_path / "empty").y_train, in_named["y_train"])
     for path in (env / "mnist").iterdir():
         path.unlink()
     assert np.array_equal(load_dataset("mnist").y_train, in_root["y_train"])
 
 
-def test_system_folder_is_searched_last(tmp_path, monkeypatch):
+def test_system_folder_is_used_when_no_location_is_given(tmp_path, monkeypatch):
     written = write_mnist_like(tmp_path / "system" / "fashion-mnist")
     assert np.array_equal(load_dataset("fmnist").y_test, written["y_test"])
     assert load_dataset("fmnist").extra["source"] == str(tmp_path / "system" / "fashion-mnist")
 
 
-def test_missing_dataset_lists_every_folder_and_how_to_get_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("FEDHET_DATA", str(tmp_path / "env"))
+def test_missing_dataset_lists_every_folder_and_how_to_get_it(tmp_path):
     with pytest.raises(DataError) as info:
-        load_dataset("fmnist", tmp_path / "mine")
+        load_dataset("fmnist")
     message = str(info.value)
-    looked = datasets.candidate_dirs(datasets.FMNIST, tmp_path / "mine")
-    assert tmp_path / "mine" in looked and tmp_path / "env" / "fmnist" in looked
+    looked = datasets.candidate_dirs(datasets.FMNIST, None)
     assert tmp_path / "system" / "fashion-mnist" in looked
     for folder in looked:
         assert str(folder) in message
     for hint in ("apt-get install dataset-fashion-mnist", "--data-dir", "FEDHET_DATA", "download=True"):
         assert hint in message
+    assert "train-images-idx3-ubyte" in message and "\n" not in message
 
 
-def test_half_present_dataset_counts_as_missing(tmp_path):
-    write_mnist_like(tmp_path)
-    (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
-    with pytest.raises(DataError, match="not found"):
-        load_dataset("mnist", tmp_path)
+def test_half_present_system_copy_names_what_is_missing(tmp_path):
+    write_mnist_like(tmp_path / "system" / "mnist")
+    (tmp_path / "system" / "mnist" / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(DataError, match=r"not found.*system/mnist has only some .*missing t10k-labels-idx1-ubyte"):
+        load_dataset("mnist")
+
+
+EXPLICIT_PROBLEMS = {
+    "missing": "does not exist",
+    "file": "is a file, not a folder",
+    "empty": "holds none of the files",
+    "incomplete": r"has only some of the files: missing t10k-labels-idx1-ubyte(.gz)",
+}
+
+
+def make_location(folder: Path, state: str) -> None:
+    """Leave ``folder`` missing, a file, an empty folder, or holding three of Fashion-MNIST's four files."""
+    if state == "file":
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        folder.write_text("not a folder")
+    elif state == "empty":
+        folder.mkdir(parents=True)
+    elif state == "incomplete":
+        write_mnist_like(folder)
+        (folder / "t10k-labels-idx1-ubyte.gz").unlink()
+
+
+@pytest.mark.parametrize("state", EXPLICIT_PROBLEMS)
+def test_an_explicit_data_dir_without_the_data_never_falls_back(tmp_path, monkeypatch, state):
+    write_mnist_like(tmp_path / "system" / "fashion-mnist")
+    write_mnist_like(tmp_path / "env" / "fmnist")
+    monkeypatch.setenv("FEDHET_DATA", str(tmp_path / "env"))
+    mine = tmp_path / "mine"
+    make_location(mine, state)
+    with pytest.raises(DataError) as info:
+        load_dataset("fmnist", mine)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"dataset 'fmnist': data_dir {mine}")
+    assert EXPLICIT_PROBLEMS[state] in message
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte"):
+        assert name in message  # the expected files are listed
+    assert "--data-dir" in message and "never replaced" in message
+
+
+@pytest.mark.parametrize("state", [*EXPLICIT_PROBLEMS, "other datasets only"])
+def test_fedhet_data_is_explicit_too_and_does_not_fall_back_to_the_system_copy(tmp_path, monkeypatch, state):
+    system = tmp_path / "system" / "fashion-mnist"
+    write_mnist_like(system)
+    env = tmp_path / "env"
+    if state == "other datasets only":
+        write_mnist_like(env / "mnist")
+    else:
+        make_location(env if state in ("missing", "file") else env / "fashion-mnist", state)
+    monkeypatch.setenv("FEDHET_DATA", str(env))
+    with pytest.raises(DataError) as info:
+        load_dataset("fmnist")
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"dataset 'fmnist': FEDHET_DATA={env}")
+    assert "t10k-labels-idx1-ubyte" in message
+    assert f"does not fall back to the system copy at {system}" in message
+    assert "unset FEDHET_DATA" in message and "--data-dir" in message
+
+
+def test_download_goes_into_fedhet_data_even_when_a_system_copy_exists(tmp_path, monkeypatch):
+    write_mnist_like(tmp_path / "system" / "fashion-mnist", seed=1)
+    served = write_mnist_like(tmp_path / "server", seed=2)
+    serve(monkeypatch, "FMNIST", *sorted((tmp_path / "server").iterdir()))
+    monkeypatch.setenv("FEDHET_DATA", str(tmp_path / "env"))
+    data = load_dataset("fmnist", download=True)
+    assert np.array_equal(data.y_train, served["y_train"])
+    assert (tmp_path / "env" / "fmnist" / "train-images-idx3-ubyte.gz").is_file()
+
+
+def test_download_into_a_data_dir_that_is_a_file_is_a_data_error(tmp_path, monkeypatch):
+    served = write_mnist_like(tmp_path / "server")
+    serve(monkeypatch, "MNIST", *sorted((tmp_path / "server").iterdir()))
+    (tmp_path / "mine").write_text("")
+    with pytest.raises(DataError, match=r"data_dir .*mine is a file, not a folder"):
+        load_dataset("mnist", tmp_path / "mine", download=True)
+    assert served
 
 
 def test_download_without_a_target_folder_says_where_to_put_it():

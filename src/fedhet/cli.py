@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fedhet.errors import ConfigError, FedhetError
@@ -241,7 +242,8 @@ def main() -> None:
     try:
         app()
     except FedhetError as err:
-        err_console.print(f"[red]error:[/] {err}")
+        # One line however long (no wrapping at the console width), and brackets in the message are not markup.
+        err_console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]: the last checkpoint is kept; continue with --resume")

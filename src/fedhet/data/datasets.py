@@ -1,9 +1,14 @@
 """Dataset loaders: one per on-disk format, each returning an :class:`ArrayDataset`.
 
 Images come back as float32 NCHW in [0, 1], not normalised; ``mean``/``std`` hold the per-channel statistics
-of the training split so the tensor layer can normalise. Files are looked up in, in order: the ``data_dir``
-argument, ``$FEDHET_DATA/<name>`` and ``$FEDHET_DATA``, then ``/usr/share/datasets/<name>`` (where Debian's
-dataset packages install), each also under the usual sub-folder names (``fashion-mnist/``, ``FashionMNIST/raw/``).
+of the training split so the tensor layer can normalise.
+
+Files are looked up in one place only: the ``data_dir`` argument (CLI ``--data-dir``, config ``dataset.data_dir``)
+if given, else ``$FEDHET_DATA/<name>`` and then ``$FEDHET_DATA`` if that is set, else ``/usr/share/datasets/<name>``
+(where Debian's dataset packages install); each also under the usual sub-folder names (``fashion-mnist/``,
+``FashionMNIST/raw/``). ``data_dir`` and ``$FEDHET_DATA`` are explicit: if the data is not there (missing folder, a
+file, some files missing), that is an error naming the location and the expected files, never a silent fall back
+to another copy; ``download=True`` downloads into the explicit location (``$FEDHET_DATA/<name>`` for the variable).
 """
 
 from __future__ import annotations
@@ -108,47 +113,151 @@ class Source:
     urls: tuple[str, ...] = ()
 
 
-def candidate_dirs(source: Source, data_dir: str | Path | None) -> list[Path]:
-    """Every directory searched for ``source``, in search order."""
-    roots = [Path(data_dir).expanduser()] if data_dir else []
+@dataclass(frozen=True)
+class Entry:
+    """One file (or folder) a dataset folder must hold: its name in messages and its accepted relative paths."""
+
+    label: str
+    names: tuple[str, ...]
+    folder: bool = False
+
+    def find(self, directory: Path) -> Path | None:
+        """The first accepted path of the right kind, else the first that exists at all (so that its reader says
+        what is wrong with it instead of the folder being skipped), else None."""
+        paths = [directory / n for n in self.names]
+        right_kind = os.path.isdir if self.folder else os.path.isfile
+        return next((p for p in paths if right_kind(p)), None) or next((p for p in paths if os.path.lexists(p)), None)
+
+
+@dataclass(frozen=True)
+class Location:
+    """A place the user named explicitly: the ``data_dir`` argument or ``$FEDHET_DATA``."""
+
+    root: Path
+    via: str  # "data_dir" or "FEDHET_DATA"
+
+    def __str__(self) -> str:
+        return f"data_dir {self.root}" if self.via == "data_dir" else f"{ENV_VAR}={self.root}"
+
+
+def explicit_location(data_dir: str | Path | None) -> Location | None:
+    """The location the user gave, if any: ``data_dir`` wins over ``$FEDHET_DATA`` (an empty value counts as unset)."""
+    if data_dir:
+        return Location(Path(data_dir).expanduser(), "data_dir")
     if os.environ.get(ENV_VAR):
-        roots.append(Path(os.environ[ENV_VAR]).expanduser())
-    dirs = [d for root in roots for d in [*(root / s for s in source.subdirs), root]]
-    dirs += [SYSTEM_DATA_DIR / s for s in source.subdirs]
-    return list(dict.fromkeys(dirs))
+        return Location(Path(os.environ[ENV_VAR]).expanduser(), ENV_VAR)
+    return None
 
 
-def find_dir(source: Source, data_dir, complete, download: bool = False) -> Path:
-    """The first candidate directory for which ``complete(dir)`` holds; downloads if allowed and needed."""
+def candidate_dirs(source: Source, data_dir: str | Path | None) -> list[Path]:
+    """Every directory searched for ``source``, in search order.
+
+    An explicit location (``data_dir``, else ``$FEDHET_DATA``) is searched alone, its dataset sub-folders first and
+    then the folder itself; fedhet never falls back from it to another copy, so a run cannot silently read data
+    other than the data the user pointed at. Only when neither is given is the system folder searched."""
+    location = explicit_location(data_dir)
+    if location is None:
+        return system_dirs(source)
+    return list(dict.fromkeys([*(location.root / s for s in source.subdirs), location.root]))
+
+
+def system_dirs(source: Source) -> list[Path]:
+    """Where Debian's dataset packages install ``source``."""
+    return [SYSTEM_DATA_DIR / s for s in source.subdirs]
+
+
+def find_dir(source: Source, data_dir, entries: list[Entry], download: bool = False) -> tuple[Path, list[Path]]:
+    """The first candidate directory that holds every entry, with the path of each; downloads if allowed and needed."""
     dirs = candidate_dirs(source, data_dir)
     for d in dirs:
-        if d.is_dir() and complete(d):
-            return d
+        if os.path.isdir(d):
+            paths = [e.find(d) for e in entries]
+            if all(paths):
+                return d, paths
     if download:
         fetch(source, download_dir(source, data_dir))
-        return find_dir(source, data_dir, complete)
-    raise missing_error(source, dirs)
+        return find_dir(source, data_dir, entries)
+    raise missing_error(source, data_dir, dirs, entries)
 
 
-def missing_error(source: Source, dirs: list[Path]) -> DataError:
-    hint = " or allow a download with download=True (CLI: -s dataset.download=true)" if source.urls else ""
+def folder_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be searched as a folder (does not exist, is a file, unreadable), or None if it can."""
+    try:
+        os.listdir(path)
+    except FileNotFoundError:
+        return "does not exist"
+    except NotADirectoryError:
+        return "is a file, not a folder"
+    except PermissionError:
+        return "cannot be read (permission denied)"
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    return None
+
+
+def what_is_missing(dirs: list[Path], entries: list[Entry]) -> str:
+    """The folder of ``dirs`` closest to complete and what it lacks, or that none holds any of the files."""
+    found = {d: [e for e in entries if e.find(d)] for d in dirs if folder_problem(d) is None}
+    best = max(found, key=lambda d: len(found[d]), default=None)
+    if best is None or not found[best]:
+        return ""
+    missing = [e.label for e in entries if e not in found[best]]
+    return f"{best} has only some of the files: missing {', '.join(missing)}"
+
+
+def missing_error(source: Source, data_dir, dirs: list[Path], entries: list[Entry]) -> DataError:
+    name, expected = source.name, ", ".join(e.label for e in entries)
+    location = explicit_location(data_dir)
+    if location is None:
+        download = " or allow a download with download=True (CLI: -s dataset.download=true)" if source.urls else ""
+        partial = what_is_missing(dirs, entries)
+        return DataError(
+            f"dataset {name!r} not found; looked in: {', '.join(map(str, dirs))}"
+            f"{f' ({partial})' if partial else ''}; it needs {expected}. {source.how_to_get}. "
+            f"Then point fedhet at it with --data-dir DIR or {ENV_VAR}=DIR{download}."
+        )
+    problem = folder_problem(location.root)
+    if problem is None:
+        partial = what_is_missing(dirs, entries)
+        problem = f"is incomplete: {partial}" if partial else "holds none of the files (nor do its sub-folders)"
+    subdirs = ", ".join(f"{s}/" for s in source.subdirs)
+    system = next((d for d in system_dirs(source) if all(e.find(d) for e in entries)), None)
+    if location.via == "data_dir":
+        fix = (
+            "an explicit data_dir (--data-dir, dataset.data_dir) is never replaced by another copy: point it at the "
+            f"folder that holds the files{f', or drop it to use the system copy at {system}' if system else ''}"
+        )
+        target = location.root
+    else:
+        target = location.root / name
+        fix = (
+            f"{ENV_VAR} is an explicit location, so fedhet does not fall back to "
+            f"{f'the system copy at {system}' if system else SYSTEM_DATA_DIR}: put the files in {target}"
+            f"{f' (e.g. ln -s {system} {target})' if system else ''}, pass --data-dir DIR, or unset {ENV_VAR}"
+        )
+    download = f"; or download them into {target} with download=True (CLI: -s dataset.download=true)"
     return DataError(
-        f"dataset {source.name!r} not found; looked in: {', '.join(map(str, dirs))}. {source.how_to_get}. "
-        f"Then point fedhet at it with --data-dir DIR or {ENV_VAR}=DIR{hint}."
+        f"dataset {name!r}: {location} {problem}; expected {expected} in it or in one of its sub-folders {subdirs}. "
+        f"Fix: {fix}{download if source.urls else ''}. {source.how_to_get}."
     )
 
 
 def download_dir(source: Source, data_dir) -> Path:
-    if data_dir:
-        return Path(data_dir).expanduser()
-    if os.environ.get(ENV_VAR):
-        return Path(os.environ[ENV_VAR]).expanduser() / source.name
-    raise DataError(f"download=True needs a place for {source.name!r}: pass --data-dir DIR or set {ENV_VAR}")
+    location = explicit_location(data_dir)
+    if location is None:
+        raise DataError(f"download=True needs a place for {source.name!r}: pass --data-dir DIR or set {ENV_VAR}")
+    target = location.root if location.via == "data_dir" else location.root / source.name
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise DataError(f"dataset {source.name!r}: cannot download into {location}: {target} is a file, not a folder")
+    return target
 
 
 def fetch(source: Source, target: Path) -> None:
     """Download every URL of ``source`` into ``target`` and unpack archives there."""
-    target.mkdir(parents=True, exist_ok=True)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"cannot create the download folder {target}: {exc.strerror or exc}") from None
     for url in source.urls:
         path = target / url.rsplit("/", 1)[-1]
         tmp = path.with_name(path.name + ".part")
@@ -288,20 +397,13 @@ def idx_stems(prefix: str, train: str, test: str) -> tuple[list[str], ...]:
     return (stems(train, "images", 3), stems(train, "labels", 1), stems(test, "images", 3), stems(test, "labels", 1))
 
 
-def find_file(directory: Path, stems: list[str]) -> Path | None:
-    for stem in stems:
-        for name in (stem, stem + ".gz"):
-            if (directory / name).is_file():
-                return directory / name
-    return None
+def idx_entries(stems: tuple[list[str], ...]) -> list[Entry]:
+    """The four IDX files, each plain or gzipped, under any of its accepted names."""
+    return [Entry(f"{s[0]}(.gz)", tuple(n for stem in s for n in (stem, stem + ".gz"))) for s in stems]
 
 
 def load_idx(source, stems, data_dir, download, class_names, transpose=False, label_offset=0) -> ArrayDataset:
-    def complete(d):
-        return all(find_file(d, s) for s in stems)
-
-    directory = find_dir(source, data_dir, complete, download)
-    paths = [find_file(directory, s) for s in stems]
+    directory, paths = find_dir(source, data_dir, idx_entries(stems), download)
     with ThreadPoolExecutor(4) as pool:  # zlib releases the GIL, so the four files decompress in parallel
         x_tr, y_tr, x_te, y_te = pool.map(read_idx, paths)
     x_tr, x_te = idx_images(x_tr, paths[0], transpose), idx_images(x_te, paths[2], transpose)
@@ -431,10 +533,7 @@ def class_names_from(path: Path, key: str) -> list[str] | None:
 
 
 def load_cifar(source, data_dir, download, files, label_key, num_classes, meta) -> ArrayDataset:
-    def complete(d):
-        return all((d / f).is_file() for f in files)
-
-    d = find_dir(source, data_dir, complete, download)
+    d, _ = find_dir(source, data_dir, [Entry(f, (f,)) for f in files], download)
     train = cifar_arrays([d / f for f in files[:-1]], label_key)  # the last file is the test batch
     test = cifar_arrays([d / files[-1]], label_key)
     names = class_names_from(d / meta[0], meta[1])
@@ -465,6 +564,8 @@ TINY = Source(
     "Download and unzip http://cs231n.stanford.edu/tiny-imagenet-200.zip",
 )
 TINY_SIZE = 64
+TINY_ENTRIES = [Entry("wnids.txt", ("wnids.txt",)), Entry("train/", ("train",), folder=True)]
+TINY_ENTRIES += [Entry("val/val_annotations.txt", ("val/val_annotations.txt",))]
 IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png"}
 
 
@@ -530,10 +631,7 @@ def load_tinyimagenet(data_dir: str | Path | None = None, **params) -> ArrayData
     """Train images and the labelled val split (as the test set); as float32 they take about 5.4 GB."""
     parse_params("dataset", "tinyimagenet", NoParams, params)
 
-    def complete(d):
-        return all((d / f).exists() for f in ("wnids.txt", "train", "val/val_annotations.txt"))
-
-    d = find_dir(TINY, data_dir, complete)
+    d, _ = find_dir(TINY, data_dir, TINY_ENTRIES)
     # Sorted wnids give the same label order as torchvision's ImageFolder.
     wnids = sorted(w.strip() for w in (d / "wnids.txt").read_text().split() if w.strip())
     train_paths, train_labels = tiny_train_files(d, wnids)
