@@ -19,7 +19,8 @@ def tiny_config(tmp_path):
 
     def make(**sections):
         raw = {
-            "run": {"rounds": 3, "out_dir": str(tmp_path / "runs"), "progress": False, "seed": 0},
+            # in-process clients by default: several tests replace an algorithm's hooks in this process
+            "run": {"rounds": 3, "out_dir": str(tmp_path / "runs"), "progress": False, "seed": 0, "workers": 1},
             "dataset": {"name": "digits"},
             "partition": {"name": "dirichlet", "alpha": 0.5, "num_clients": 6, "min_size": 20},
             "model": {"name": "mlp", "hidden": [32]},

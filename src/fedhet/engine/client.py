@@ -136,6 +136,10 @@ class Executor(Protocol):
         """Free saved client state that none of ``states`` (those the kept checkpoints hold) refers to."""
         ...
 
+    def close(self) -> None:
+        """The run is over (finished, failed or interrupted)."""
+        ...
+
 
 class LocalExecutor:
     """Runs clients one after another in this process; their persistent state lives in ``store``."""
@@ -195,3 +199,6 @@ class LocalExecutor:
 
     def retain(self, states: list[dict[str, Any]]) -> None:
         self.store.retain([s["clients"] for s in states])
+
+    def close(self) -> None:
+        pass

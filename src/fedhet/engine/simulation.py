@@ -167,6 +167,20 @@ def nonfinite(tree: Any, prefix: str = "") -> list[str]:
     return []
 
 
+def resolve_workers(cfg: Config) -> int:
+    """``run.workers``, with 0 (auto) decided here: worker processes pay off on a CPU when a round has several
+    clients to spread over several cores, since intra-op threading does little for the small batches of FL clients;
+    on a GPU, or with one core or one client per round, clients train in this process."""
+    if cfg.run.workers:
+        return cfg.run.workers
+    from fedhet.engine.workers import usable_cores
+
+    cores, per_round = usable_cores(), cfg.clients_per_round()
+    if torch.device(cfg.run.device).type != "cpu" or cores < 2 or per_round < 2:
+        return 1
+    return min(cores, per_round)
+
+
 class Simulation:
     """One run: ``Simulation(cfg).run()`` trains, evaluates and writes the run folder."""
 
@@ -187,10 +201,20 @@ class Simulation:
         parts = build_training(cfg, self.fed)
         self.model, self.flat, self.setup, self.algo = parts.model, parts.flat, parts.setup, parts.algo
         store = build_state_store(cfg.run.client_state, self.run_dir / "client_state", cfg.run.client_state_budget_mb)
-        self.executor: Executor = executor or LocalExecutor(parts.runner, self.fed.clients, store)
+        self.workers = 1 if executor is not None else resolve_workers(cfg)
+        self.executor: Executor = executor or self.local_executor(parts.runner, store)
+        # the intra-op threads a client trains with: they decide the last bits (provenance.json, checkpoints)
+        self.client_threads = 1 if self.workers > 1 else torch.get_num_threads()
         self.seen: set[int] = set()  # clients that have completed at least one round
         self.ema: float | None = None
         self.empty_streak = 0  # rounds in a row in which no client finished
+
+    def local_executor(self, runner: ClientRunner, store) -> Executor:
+        if self.workers == 1:
+            return LocalExecutor(runner, self.fed.clients, store)
+        from fedhet.engine.workers import ProcessExecutor
+
+        return ProcessExecutor(runner, self.fed, store, self.cfg.to_dict(), self.workers)
 
     # ------------------------------------------------------------------ sampling and clients
     def sample_clients(self, rnd: int) -> list[int]:
@@ -271,7 +295,7 @@ class Simulation:
             "ema": self.ema,
             "empty_streak": self.empty_streak,
             "wall_s": wall,
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": self.client_threads,
             "config": self.resolved,
         }
         bad = nonfinite(state["algo"])
@@ -328,12 +352,12 @@ class Simulation:
             )
 
     def warn_thread_change(self, before: int | None) -> None:
-        now = torch.get_num_threads()
+        now = self.client_threads
         if before is not None and before != now:
             self.warn(
-                f"this run trained with {before} torch thread(s) and resumes with {now}: float sums then differ "
-                f"in the last bits, so it will not match an uninterrupted run bit for bit (set OMP_NUM_THREADS={before}"
-                " to match)"
+                f"this run's clients trained with {before} torch thread(s) and now train with {now}: float sums "
+                "then differ in the last bits, so it will not match an uninterrupted run bit for bit (match the "
+                f"thread count with OMP_NUM_THREADS={before}, or run.workers >= 2 for one thread per client)"
             )
 
     # ------------------------------------------------------------------ the run folder
@@ -382,7 +406,7 @@ class Simulation:
     def record_environment(self, resumed_at: int | None) -> None:
         """provenance.json: what ran (data source and hash, versions, thread count), and every resume."""
         path = self.run_dir / "provenance.json"
-        now = environment()
+        now = {**environment(), "torch_threads": self.client_threads, "workers": self.workers}
         if resumed_at is None or not path.exists():
             info = {**now, "data": self.fed.provenance, "resumes": []}
         else:
@@ -399,6 +423,12 @@ class Simulation:
 
         Raises ``RunFailed`` (after writing summary.json with the reason) when the run cannot go on: the global
         model or server state turned non-finite, or ``run.max_empty_rounds`` rounds in a row had no client left."""
+        try:
+            return self._run(resume, overwrite, stop_after)
+        finally:
+            self.executor.close()
+
+    def _run(self, resume: bool, overwrite: bool, stop_after: int | None) -> dict[str, Any]:
         done = self.prepare_dir(resume, overwrite)
         self.warn_unmeasurable()
         metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")

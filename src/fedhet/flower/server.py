@@ -350,6 +350,9 @@ class FlowerExecutor:
         state versions that only older checkpoints needed."""
         self.checkpoints = tuple(sorted(int(s["attempts"][-1]["end"]) for s in states if s.get("attempts")))
 
+    def close(self) -> None:
+        """Nothing to stop: the nodes belong to the federation, not to the run."""
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: continue the checkpoint's history, and make sure the clients' own state is still there."""
         if state.get("kind") != "flower":
