@@ -47,6 +47,8 @@ class RunSection(_Strict):
     # processes that train a round's clients (one thread each); 0 = auto: one per core, on a CPU with >= 2 cores and
     # >= 2 clients per round, else 1 (in-process). Any count >= 2 gives the same bits as 1 worker with 1 thread.
     workers: int = Field(0, ge=0)
+    # personalised accuracy is measured on at most this many clients (a seeded sample, logged); None = all
+    personal_eval_clients: int | None = Field(1000, ge=1)
 
     @field_validator("name")
     @classmethod

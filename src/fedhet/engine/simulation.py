@@ -265,17 +265,30 @@ class Simulation:
         if not self.algo.personalized:
             return {}
         p = self.algo.personal_metric_prefix
-        cids = sorted(self.seen)
+        seen = sorted(self.seen)
+        cids = self.personal_sample(rnd, seen)
         accs = self.executor.personal_accuracies(rnd, cids, self.algo.global_message(rnd), self.cfg.run.eval_batch_size)
+        counts = {f"{p}_never_sampled": self.fed.num_clients - len(seen)}
+        if len(cids) < len(seen):
+            counts[f"{p}_sample"] = len(cids)  # a seeded sample of the clients that have trained
         if not accs:
-            return {f"{p}_clients": 0, f"{p}_never_sampled": self.fed.num_clients - len(cids)}
+            return {f"{p}_clients": 0, **counts}
         correct, total = np.array(list(accs.values())).sum(axis=0)
         return {
             f"{p}_acc_micro": float(correct / max(total, 1)),
             f"{p}_acc_macro": float(np.mean([c / max(n, 1) for c, n in accs.values()])),
             f"{p}_clients": len(accs),
-            f"{p}_never_sampled": self.fed.num_clients - len(cids),
+            **counts,
         }
+
+    def personal_sample(self, rnd: int, seen: list[int]) -> list[int]:
+        """At most ``run.personal_eval_clients`` of ``seen``: each personalised model costs a pass over its client's
+        test split, so 10,000 of them are measured on a sample drawn from (seed, round)."""
+        limit = self.cfg.run.personal_eval_clients
+        if limit is None or len(seen) <= limit:
+            return seen
+        rng = np.random.default_rng(derive_seed(self.cfg.run.seed, rnd, 0xE7A1))
+        return sorted(int(c) for c in rng.choice(seen, size=limit, replace=False))
 
     # ------------------------------------------------------------------ checkpoints
     @property
