@@ -372,7 +372,7 @@ def test_thread_count_is_recorded_and_a_change_warned_about(tiny_config, capsys)
     assert json.loads((sim.run_dir / "provenance.json").read_text())["torch_threads"] == 1
     torch.set_num_threads(2)
     Simulation(cfg).run(resume=True)
-    assert "trained with 1 torch thread(s) and resumes with 2" in capsys.readouterr().err
+    assert "trained with 1 torch thread(s) and now train with 2" in capsys.readouterr().err
     resumes = json.loads((sim.run_dir / "provenance.json").read_text())["resumes"]
     assert [(r["round"], r["torch_threads"]) for r in resumes] == [(1, 2)]
 
