@@ -28,7 +28,7 @@ def test_list_shows_every_registry():
     [
         (["-a", "fedprx"], "unknown algorithm 'fedprx'; choose one of:"),
         (["-s", "train.lrr=0.1"], "unknown key 'train.lrr'; valid keys in [train]:"),
-        (["-s", "train.lr=-1"], "train.lr: Input should be greater than 0"),
+        (["-s", "train.lr=-1"], "train.lr: must be greater than 0 (got -1)"),
         (["-s", "algorithm.name=fedprox", "-s", "algorithm.mu=-1"], "algorithm 'fedprox': mu"),
         (["-s", "partition.alpha=0"], "alpha"),
         (["-m", "resnet99"], "unknown model 'resnet99'"),
