@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fedhet.errors import ConfigError, FedhetError
@@ -98,8 +99,8 @@ def _print_final(summary: dict[str, Any], run_dir: Path) -> None:
         for k in ("test_acc", "test_acc_ema", "client_dist_acc", "client_acc_worst10")
         if final.get(k) is not None
     ]
-    console.print(f"[green]done[/] {summary['name']}: round {summary['rounds_done']}, " + ", ".join(parts))
-    console.print(f"run folder: {run_dir}")
+    console.print(f"[green]done[/] {escape(summary['name'])}: round {summary['rounds_done']}, " + ", ".join(parts))
+    console.print(escape(f"run folder: {run_dir}"))
 
 
 @app.command()
@@ -241,7 +242,8 @@ def main() -> None:
     try:
         app()
     except FedhetError as err:
-        err_console.print(f"[red]error:[/] {err}")
+        # the message as it is: brackets in it ("valid keys in [run]") are not markup, and it stays on one line
+        err_console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]: the last checkpoint is kept; continue with --resume")
