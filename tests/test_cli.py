@@ -29,7 +29,7 @@ def test_list_shows_every_registry():
     [
         (["-a", "fedprx"], "unknown algorithm 'fedprx'; choose one of:"),
         (["-s", "train.lrr=0.1"], "unknown key 'train.lrr'; valid keys in [train]:"),
-        (["-s", "train.lr=-1"], "train.lr: Input should be greater than 0"),
+        (["-s", "train.lr=-1"], "train.lr: must be greater than 0 (got -1)"),
         (["-s", "algorithm.name=fedprox", "-s", "algorithm.mu=-1"], "algorithm 'fedprox': mu"),
         (["-s", "partition.alpha=0"], "alpha"),
         (["-m", "resnet99"], "unknown model 'resnet99'"),
@@ -144,3 +144,109 @@ mu = 0.1
     assert (tmp_path / "out" / "comparison.png").exists()
     config = json.loads((tmp_path / "out" / "fedprox-s0" / "config.json").read_text())
     assert config["algorithm"] == {"name": "fedprox", "weighting": "samples", "mu": 0.1}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--seeds", "-1"], "--seeds must be a comma list of non-negative integers, e.g. 0,1,2 (got '-1')"),
+        (["--seeds", "0,a"], "--seeds must be a comma list of non-negative integers, e.g. 0,1,2 (got '0,a')"),
+        (["--seeds", ","], "--seeds must be a comma list of non-negative integers, e.g. 0,1,2 (got ',')"),
+        (["-v", ","], "--variants names no variant (got ',')"),
+        (["-s", "run.seed=-2"], "run.seed: must be greater than or equal to 0 (got -2)"),
+    ],
+)
+def test_compare_arguments_are_config_errors(tmp_path, args, message):
+    tiny = ["-s", "dataset.name=digits", "-s", "model.name=mlp", "-s", "partition.num_clients=4", "-r", "1"]
+    tiny += ["-s", "run.progress=false", "-s", "partition.min_size=20"]
+    result = runner.invoke(app, ["compare", *tiny, "-o", str(tmp_path), *args])
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception) == message
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ("seeds = [-1]", "compare.seeds.0: must be greater than or equal to 0 (got -1)"),
+        ("seeds = 5", "compare.seeds: must be a list (got 5)"),
+        ("seeds = [true]", "compare.seeds: must be a list of integers, not booleans (got [True])"),
+        ("seeds = []", "compare.seeds: must have at least 1 items (got [])"),
+        ("variants = 'fedavg'", "compare.variants: must be a list (got 'fedavg')"),
+        ("variant = ['fedavg']", "unknown key 'compare.variant'; valid keys in [compare]: variants, seeds, params,"),
+        ("params = {fedprox = 5}", "compare.params.fedprox: must be a table of keys (got 5)"),
+    ],
+)
+def test_a_bad_compare_table_is_a_config_error(tmp_path, table, message):
+    cfg = tmp_path / "cmp.toml"
+    tiny = "[run]\nprogress = false\nrounds = 1\n[dataset]\nname = 'digits'\n[model]\nname = 'mlp'\n"
+    cfg.write_text(f"{tiny}[partition]\nnum_clients = 4\nmin_size = 20\n[compare]\n{table}\n")
+    result = runner.invoke(app, ["compare", "-c", str(cfg), "-o", str(tmp_path)])
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception).startswith(message)
+
+
+def test_compare_refuses_a_compare_value_that_is_not_a_table(tmp_path):
+    cfg = tmp_path / "cmp.toml"
+    cfg.write_text("compare = 5\n")
+    result = runner.invoke(app, ["compare", "-c", str(cfg), "-o", str(tmp_path)])
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception) == "compare: must be a table of keys (got 5)"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-s", "run.device=tpu9"], "run.device: not a device torch knows; available here: cpu"),
+        (["--seed", "-1"], "run.seed: must be greater than or equal to 0 (got -1)"),
+        (["-s", "partition.seed=-1"], "partition.seed: must be greater than or equal to 0 (got -1)"),
+        (["-s", "run.rounds=true"], "run.rounds: must be an integer, not a boolean (got True)"),
+        (["-s", "train.lr=inf"], "train.lr: must be a finite number (got 'inf')"),
+        (["-s", "train.nesterov=true"], "train.nesterov=true needs train.momentum > 0"),
+        (["-s", "foo.bar=1"], "unknown section 'foo'; valid sections: run,"),
+    ],
+)
+def test_bad_run_settings_are_one_line_errors(tmp_path, args, message):
+    result = runner.invoke(app, ["run", *TINY, "-o", str(tmp_path), *args])
+    assert isinstance(result.exception, ConfigError), result.output
+    assert str(result.exception).startswith(message) and "\n" not in str(result.exception)
+    assert not list(tmp_path.glob("*/metrics.jsonl"))  # nothing ran
+
+
+def test_bad_config_files_are_one_line_errors_from_the_command_line(tmp_path):
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes('[run]\nname = "caf\xe9"\n'.encode("latin-1"))
+    for path, message in [(latin1, "is not UTF-8 text (byte 17: b'\\xe9\"\\n')"), (tmp_path, "is a folder")]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "fedhet.cli", "run", "-c", str(path), "-o", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: config file") and message in lines[0], lines
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["-s", "run.foo=1", "-s", "train.lrr=1"],
+            "error: unknown key 'run.foo'; unknown key 'train.lrr'; valid keys in [run]: name, seed,",
+        ),
+        (["-s", "algorithm.name='[/red]x'"], "error: unknown algorithm '[/red]x'; choose one of:"),
+    ],
+)
+def test_cli_errors_print_on_one_line_with_brackets_kept(tmp_path, args, expected):
+    """The message is printed as it is: not cut into lines at the console width, "[run]" not read as markup."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "fedhet.cli", "run", "-o", str(tmp_path), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr
+    assert "valid keys in [train]: participation," in lines[0] or "algorithm" in expected

@@ -47,6 +47,16 @@ def test_flower_app_writes_an_app_folder_with_the_config(tmp_path, config_file):
     assert again.exit_code != 0 and "not empty" in str(again.exception)
 
 
+def test_flower_app_for_gpu_machines_can_be_written_on_a_cpu_one(tmp_path, config_file):
+    """The app runs on the SuperLink's machines, so its run.device is checked there; a bad name still fails here."""
+    out = tmp_path / "gpu-app"
+    result = runner.invoke(app, ["flower", "app", "-c", str(config_file), "-s", "run.device=cuda:1", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert tomllib.loads((out / "fedhet.toml").read_text())["run"]["device"] == "cuda:1"
+    bad = runner.invoke(app, ["flower", "app", "-c", str(config_file), "-s", "run.device=tpu9", "-o", str(out)])
+    assert "run.device: not a device torch knows" in str(bad.exception)
+
+
 def test_flower_export_writes_one_model_ready_file_per_client(tmp_path, config_file):
     out = tmp_path / "clients"
     result = runner.invoke(app, ["flower", "export", "-c", str(config_file), "-o", str(out)])

@@ -124,9 +124,9 @@ def test_every_model_has_a_summary_and_params():
 @pytest.mark.parametrize(
     "name,shape,params,message",
     [
-        ("mlp", (60,), {"hiden": [10]}, "valid: hidden, dropout"),
-        ("lenet5", (3, 32, 32), {"head_bias": False}, "unknown parameter 'head_bias'"),
-        ("mlp", (60,), {"dropout": 1.5}, "dropout: Input should be less than 1"),
+        ("mlp", (60,), {"hiden": [10]}, "valid keys in [model]: name, hidden, dropout"),
+        ("lenet5", (3, 32, 32), {"head_bias": False}, "unknown key 'model.head_bias' for model 'lenet5'"),
+        ("mlp", (60,), {"dropout": 1.5}, "dropout: must be less than 1 (got 1.5)"),
         ("convnet", (1, 28, 28), {"channels": [8]}, "channels.1:"),
         ("cnn", (3, 32, 32), {"head_bias": "maybe"}, "head_bias:"),
         ("cnn", (1, 8, 8), {}, "too small"),

@@ -63,7 +63,7 @@ def test_same_seed_same_split_other_seed_other_split(name, params):
 
 @pytest.mark.parametrize(("name", "params"), COVERING)
 def test_unknown_parameter_names_the_valid_ones(name, params):
-    with pytest.raises(ConfigError, match=r"unknown parameter 'bogus' for partitioner") as info:
+    with pytest.raises(ConfigError, match=r"unknown key 'partition.bogus' for partitioner") as info:
         run(name, {**params, "bogus": 1})
     for field in PARTITIONERS.get(name).params.model_fields:
         assert field in str(info.value)

@@ -118,8 +118,8 @@ def _print_final(summary: dict[str, Any], run_dir: Path) -> None:
         for k in ("test_acc", "test_acc_ema", "client_dist_acc", "client_acc_worst10")
         if final.get(k) is not None
     ]
-    console.print(f"[green]done[/] {summary['name']}: round {summary['rounds_done']}, " + ", ".join(parts))
-    console.print(f"run folder: {run_dir}")
+    console.print(f"[green]done[/] {escape(summary['name'])}: round {summary['rounds_done']}, " + ", ".join(parts))
+    console.print(escape(f"run folder: {run_dir}"))
 
 
 @app.command()

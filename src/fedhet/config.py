@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from fedhet.errors import ConfigError
+from fedhet.params import Params, Seed, problem, shown
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -24,13 +25,13 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+class _Strict(Params):
+    model_config = ConfigDict(validate_assignment=True)
 
 
 class RunSection(_Strict):
     name: str | None = None  # default: derived from algorithm, dataset, partition and seed
-    seed: int = 0
+    seed: Seed = 0
     rounds: int = Field(20, ge=1)
     out_dir: str = "runs"
     eval_every: int = Field(1, ge=1)
@@ -52,11 +53,69 @@ class RunSection(_Strict):
 
     @field_validator("name")
     @classmethod
-    def _plain_folder_name(cls, name: str | None) -> str | None:
-        # --overwrite deletes out_dir/name: a name with a path in it could reach outside the output folder
-        if name is not None and (name in ("", ".", "..") or any(c in name for c in "/\\\0") or name != name.strip()):
-            raise ValueError(f"must be a plain folder name (no '/', '\\', '.' or '..', no edge spaces); got {name!r}")
-        return name
+    def _folder_name(cls, value: str | None) -> str | None:
+        # the run's folder under out_dir, which --overwrite deletes: "", "." or ".." would take out_dir or more with
+        # it, a path would reach outside it; brackets would be read as markup where the name is printed
+        bad = value in ("", ".", "..") or any(c in "/\\[]" or ord(c) < 32 for c in value or "")
+        if value is not None and (bad or value != value.strip()):
+            raise ValueError(
+                "must be a plain folder name: not '', '.' or '..'; no '/', '\\', '[', ']', control characters or "
+                "surrounding spaces"
+            )
+        return value
+
+    @field_validator("out_dir")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        return no_nul(value)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str, info: ValidationInfo) -> str:
+        check_device(value, available=(info.context or {}).get("runs_here", True))
+        return value
+
+
+def no_nul(path: str | None) -> str | None:
+    if path is not None and "\x00" in path:
+        raise ValueError("must not contain a NUL character")
+    return path
+
+
+def available_devices() -> list[str]:
+    """The devices this machine's torch can compute on: cpu, then cuda, cuda:0, ... and mps where present."""
+    import torch
+
+    out = ["cpu"]
+    if torch.cuda.is_available():
+        out += ["cuda", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+    if torch.backends.mps.is_available():
+        out.append("mps")
+    return out
+
+
+def check_device(text: str, available: bool = True) -> None:
+    """Refuse a device torch cannot parse or fedhet does not run on; with ``available``, also one this machine lacks.
+
+    ``available=False`` is for a config written here to run elsewhere (a Flower app), checked again where it runs."""
+    import torch
+
+    choices = f"available here: {', '.join(available_devices())}"
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"not a device torch knows; {choices}") from None
+    single = device.type in ("cpu", "mps") and device.index in (None, 0)
+    if not (single or device.type == "cuda"):
+        raise ValueError(f"not a device fedhet runs on (cpu, cuda, cuda:N, mps); {choices}")
+    if not available or device.type == "cpu":
+        return
+    if device.type == "cuda":
+        present = torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
+    else:
+        present = torch.backends.mps.is_available()
+    if not present:
+        raise ValueError(f"not available on this machine; {choices}")
 
 
 class TrainSection(_Strict):
@@ -73,9 +132,15 @@ class TrainSection(_Strict):
     grad_clip: float | None = Field(None, gt=0.0)  # max global gradient norm
     augment: Literal["none", "crop_flip", "crop_flip_rotate", "crop"] = "none"
 
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> TrainSection:
+        if self.nesterov and self.momentum == 0:  # torch.optim.SGD refuses it too
+            raise ValueError(f"train.nesterov=true needs train.momentum > 0 (got momentum {self.momentum})")
+        return self
 
-class _Component(BaseModel):
-    model_config = ConfigDict(extra="allow")
+
+class _Component(Params):
+    model_config = ConfigDict(extra="allow")  # the component's own parameters, validated by its registry entry
     name: str
 
     def params(self) -> dict[str, Any]:
@@ -86,11 +151,16 @@ class DatasetSection(_Component):
     name: str = "fmnist"
     data_dir: str | None = None
 
+    @field_validator("data_dir")
+    @classmethod
+    def _path(cls, value: str | None) -> str | None:
+        return no_nul(value)
+
 
 class PartitionSection(_Component):
     name: str = "dirichlet"
     num_clients: int = Field(20, ge=1)
-    seed: int | None = None  # default: run.seed
+    seed: Seed | None = None  # default: run.seed
     local_test_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # FedRANE 0.25, FedBC 0.2
     merge_test: bool = False  # partition train+test together (FedBC's power-law protocol)
 
@@ -120,7 +190,9 @@ class Config(_Strict):
     def _check(self) -> Config:
         n = self.partition.num_clients
         if self.train.clients_per_round is not None and self.train.clients_per_round > n:
-            raise ValueError(f"train.clients_per_round={self.train.clients_per_round} exceeds num_clients={n}")
+            raise ValueError(
+                f"train.clients_per_round={self.train.clients_per_round} exceeds partition.num_clients={n}"
+            )
         return self
 
     def clients_per_round(self) -> int:
@@ -135,27 +207,22 @@ class Config(_Strict):
         return self.model_dump(mode="json")
 
 
-def format_validation_error(err: ValidationError, prefix: str = "") -> str:
-    """One line per problem: 'train.lr: Input should be greater than 0 (got -1)'."""
-    lines = []
+def format_validation_error(err: ValidationError) -> str:
+    """One line: each problem ('train.lr: must be greater than 0 (got -1)'), then, for unknown keys, the valid keys of
+    each section they were found in."""
+    problems, hints = [], {}
     for e in err.errors():
-        loc = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
-        if e["type"] == "extra_forbidden":
-            lines.append(f"unknown key {loc!r}")
+        if e["type"] != "extra_forbidden":
+            problems.append(problem(e))
+        elif len(e["loc"]) == 1:
+            problems.append(f"unknown section {shown(e['loc'][0])}")
+            hints[""] = f"valid sections: {', '.join(Config.model_fields)}"
         else:
-            got = f" (got {e['input']!r})" if not isinstance(e.get("input"), dict) else ""
-            lines.append(f"{loc}: {e['msg']}{got}" if loc else f"{e['msg']}")
-    return "; ".join(lines)
-
-
-def _valid_keys_hint(err: ValidationError) -> str:
-    """For an unknown key in a fixed section (run, train) or at the top level, list that section's keys."""
-    unknown = [e["loc"] for e in err.errors() if e["type"] == "extra_forbidden"]
-    if not unknown:
-        return ""
-    section = unknown[0][0] if len(unknown[0]) > 1 else None
-    model = Config.model_fields[section].annotation if section else Config
-    return f"; valid keys{' in [' + section + ']' if section else ''}: {', '.join(model.model_fields)}"
+            section, key = e["loc"][0], ".".join(str(p) for p in e["loc"])
+            problems.append(f"unknown key {shown(key)}")
+            keys = Config.model_fields[section].annotation.model_fields
+            hints[section] = f"valid keys in [{section}]: {', '.join(keys)}"
+    return "; ".join([*problems, *hints.values()])
 
 
 def parse_value(text: str) -> Any:
@@ -167,7 +234,7 @@ def parse_value(text: str) -> Any:
         return None
     try:
         return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return text
 
 
@@ -175,9 +242,11 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     if "=" not in assignment:
         raise ConfigError(f"override {assignment!r} must look like section.key=value")
     key, value = assignment.split("=", 1)
-    parts = key.strip().split(".")
+    parts = [part.strip() for part in key.strip().split(".")]
     if len(parts) < 2:
         raise ConfigError(f"override key {key!r} must name a section, e.g. train.lr=0.05")
+    if not all(parts):
+        raise ConfigError(f"override key {key!r} has an empty part; write section.key=value, e.g. train.lr=0.05")
     node = raw
     for part in parts[:-1]:
         node = node.setdefault(part, {})
@@ -190,28 +259,44 @@ def load_raw(path: str | Path | None) -> dict[str, Any]:
     if path is None:
         return {}
     p = Path(path)
+    name = shown(str(p), 200)
     if not p.exists():
-        raise ConfigError(f"config file {str(p)!r} does not exist")
+        raise ConfigError(f"config file {name} does not exist")
+    if p.is_dir():
+        raise ConfigError(f"config file {name} is a folder, not a TOML file")
     try:
         with p.open("rb") as fh:
-            return tomllib.load(fh)
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {err}") from None
-
-
-def build_config(raw: dict[str, Any]) -> Config:
+            data = fh.read()
+    except OSError as err:
+        raise ConfigError(f"config file {name} cannot be read: {err.strerror or err}") from None
     try:
-        return Config.model_validate(raw)
+        text = data.decode("utf-8-sig")  # TOML is UTF-8; a byte-order mark from an editor is harmless
+    except UnicodeDecodeError as err:
+        bad = shown(data[err.start : err.start + 4])
+        raise ConfigError(f"config file {name} is not UTF-8 text (byte {err.start}: {bad})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file {name} is not valid TOML: {' '.join(str(err).split())}") from None
+
+
+def build_config(raw: dict[str, Any], *, runs_here: bool = True) -> Config:
+    """The validated config; ``runs_here=False`` for one that runs on other machines (a Flower app folder), whose
+    ``run.device`` is then only checked to be a device name, not to be present here."""
+    try:
+        return Config.model_validate(raw, context={"runs_here": runs_here})
     except ValidationError as err:
-        raise ConfigError(format_validation_error(err) + _valid_keys_hint(err)) from None
+        raise ConfigError(format_validation_error(err)) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, *, runs_here: bool = True
+) -> Config:
     raw = load_raw(path)
     raw.pop("compare", None)  # a comparison's variant list; `fedhet run` on such a file runs its base setting
     for item in overrides or []:
         apply_override(raw, item)
-    return build_config(raw)
+    return build_config(raw, runs_here=runs_here)
 
 
 def saved_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> Config:

@@ -1,7 +1,8 @@
 """Name -> factory registries for datasets, partitioners, models and algorithms.
 
-Every entry carries a one-line summary and, optionally, a pydantic model of its parameters, so `fedhet list` can show
-what exists and configuration errors can name the valid choices.
+Every entry carries a one-line summary and, optionally, a pydantic model of its parameters (a subclass of
+:class:`fedhet.params.Params`, so unknown keys, non-finite floats and booleans for numbers are refused alike), so
+`fedhet list` can show what exists and configuration errors can name the valid choices.
 """
 
 from __future__ import annotations
@@ -12,26 +13,39 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from fedhet.config import Config
 from fedhet.errors import ConfigError, unknown_choice
+from fedhet.params import Params, problem, shown
+
+# registry kind -> the config section whose `name` picks one of its entries ("partitioner" -> "partition")
+_SECTION_OF: dict[str, str] = {}
+
+
+def unknown_keys(kind: str, name: str, keys: list[str], params: list[str]) -> str:
+    """``unknown key 'partition.bogus' for partitioner 'dirichlet'; valid keys in [partition]: name, ..., alpha``:
+    the section's own keys, then the parameters of the component it names."""
+    section = _SECTION_OF.get(kind)
+    if section is None:  # a registry outside the config
+        return f"unknown key {', '.join(map(shown, keys))} for {kind} {name!r}; valid: {', '.join(params) or 'none'}"
+    own = list(Config.model_fields[section].annotation.model_fields)
+    unknown = "; ".join(f"unknown key {shown(f'{section}.{key}')}" for key in keys)
+    return f"{unknown} for {kind} {name!r}; valid keys in [{section}]: {', '.join(own + params)}"
 
 
 def parse_params(kind: str, name: str, model: type[BaseModel], params: dict[str, Any]) -> BaseModel:
     """Validate a component's parameters; pydantic's report becomes one line naming the problem and the valid keys.
 
-    ``unknown parameter 'mu' for algorithm 'fedavg'; valid: weighting`` or
-    ``partitioner 'dirichlet': alpha: Input should be greater than 0 (got 0)``.
+    ``unknown key 'algorithm.mu' for algorithm 'fedavg'; valid keys in [algorithm]: name, weighting`` or
+    ``partitioner 'dirichlet': alpha: must be greater than 0 (got 0)``.
     """
     try:
         return model.model_validate(params)
     except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            key = ".".join(str(part) for part in err["loc"])
-            if err["type"] == "extra_forbidden":
-                valid = ", ".join(model.model_fields) or "none"
-                problems.append(f"unknown parameter {key!r} for {kind} {name!r}; valid: {valid}")
-            else:
-                problems.append(f"{kind} {name!r}: {key}: {err['msg']} (got {err.get('input')!r})")
+        errors = exc.errors()
+        problems = [f"{kind} {name!r}: {problem(e)}" for e in errors if e["type"] != "extra_forbidden"]
+        unknown = [".".join(str(part) for part in e["loc"]) for e in errors if e["type"] == "extra_forbidden"]
+        if unknown:
+            problems.append(unknown_keys(kind, name, unknown, list(model.model_fields)))
         raise ConfigError("; ".join(problems)) from None
 
 
@@ -44,11 +58,19 @@ class Entry:
 
 
 class Registry:
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, section: str | None = None) -> None:
+        """``kind`` names an entry in messages ("partitioner"); ``section`` is the config section that picks one."""
         self.kind = kind
         self._entries: dict[str, Entry] = {}
+        if section is not None:
+            _SECTION_OF[kind] = section
 
     def register(self, name: str, summary: str, params: type[BaseModel] | None = None) -> Callable[[Any], Any]:
+        if params is not None and not issubclass(params, Params):
+            raise TypeError(
+                f"{self.kind} {name!r}: its parameters {params.__name__} must derive from fedhet.params.Params"
+            )
+
         def deco(obj: Any) -> Any:
             if name in self._entries:
                 raise RuntimeError(f"{self.kind} {name!r} registered twice")
@@ -68,7 +90,7 @@ class Registry:
         entry = self.get(name)
         if entry.params is None:
             if params:
-                raise ConfigError(f"{self.kind} {entry.name!r} takes no parameters; got {', '.join(params)}")
+                raise ConfigError(unknown_keys(self.kind, entry.name, list(params), []))
             return entry, None
         return entry, parse_params(self.kind, entry.name, entry.params, params)
 

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
+from fedhet.params import Params
 from fedhet.registry import Registry
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from fedhet.engine.flat import FlatModel
     from fedhet.models.base import FedModel
 
-ALGORITHMS = Registry("algorithm")
+ALGORITHMS = Registry("algorithm", section="algorithm")
 
 Scalar = float | int | str | bool
 
@@ -101,8 +102,8 @@ class ClientContext:
         return self.message.tensors["params"]
 
 
-class AlgoConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class AlgoConfig(Params):
+    model_config = ConfigDict(frozen=True)
 
 
 @dataclass

@@ -10,15 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
+from fedhet.params import Params
 from fedhet.registry import Registry
 
-SERVER_OPTIMIZERS = Registry("server optimiser")
+SERVER_OPTIMIZERS = Registry("server optimiser", section="server")
 
 
-class _Params(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Params(Params):
+    model_config = ConfigDict(frozen=True)
 
 
 class SgdParams(_Params):

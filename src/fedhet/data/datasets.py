@@ -33,12 +33,13 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from fedhet.data.types import ArrayDataset, DataError
+from fedhet.params import Params, Seed
 from fedhet.registry import Registry, parse_params
 
-DATASETS = Registry("dataset")
+DATASETS = Registry("dataset", section="dataset")
 
 ENV_VAR = "FEDHET_DATA"
 SYSTEM_DATA_DIR = Path("/usr/share/datasets")
@@ -65,8 +66,8 @@ EMNIST_CLASSES = {
 # Parameters
 
 
-class NoParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NoParams(Params):
+    """Parameters of a component that takes none (and the base of those that do)."""
 
 
 class DownloadParams(NoParams):
@@ -92,14 +93,14 @@ class SyntheticParams(NoParams):
     dim: int = Field(60, ge=1)
     num_classes: int = Field(10, ge=2)
     iid: bool = False
-    seed: int = 0
+    seed: Seed = 0
 
 
 class ShakespeareParams(NoParams):
     seq_len: int = Field(80, ge=1)
     min_samples: int = Field(20, ge=1)
     max_roles: int | None = Field(None, ge=1)
-    seed: int = 0
+    seed: Seed = 0
 
 
 # ----------------------------------------------------------------------------------------------------------

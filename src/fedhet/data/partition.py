@@ -19,7 +19,7 @@ from fedhet.data.types import DataError
 from fedhet.errors import ConfigError
 from fedhet.registry import Registry
 
-PARTITIONERS = Registry("partitioner")
+PARTITIONERS = Registry("partitioner", section="partition")
 
 
 class DirichletParams(NoParams):

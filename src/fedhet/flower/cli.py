@@ -20,10 +20,10 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="fedhet T
 SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override, e.g. -s train.lr=0.05 (repeat).")]
 
 
-def _config(config: Path | None, sets: list[str] | None):
+def _config(config: Path | None, sets: list[str] | None, runs_here: bool = True):
     from fedhet.config import load_config
 
-    return load_config(config, list(sets or []))
+    return load_config(config, list(sets or []), runs_here=runs_here)
 
 
 @flower_app.command("app")
@@ -37,7 +37,8 @@ def app_cmd(
     """Write a Flower app folder (pyproject.toml, fedhet.toml, fedhet_app.py) to start with `flwr run`."""
     from fedhet.flower.bundle import write_app
 
-    folder = write_app(_config(config, set_), out, name=name, force=force)
+    # the app runs on the SuperLink's machines: its run.device is checked there, not here
+    folder = write_app(_config(config, set_, runs_here=False), out, name=name, force=force)
     console.print(f"[green]Flower app[/] written to {folder}")
     console.print("run it on a SuperLink:  flwr run " + f"{folder} <superlink-connection> --stream")
     console.print("see docs/deploy.md for the SuperLink, SuperNode, TLS and authentication steps")

@@ -10,19 +10,20 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 from torch import Tensor, nn
 
 from fedhet.errors import ConfigError
+from fedhet.params import Params
 from fedhet.registry import Registry
 
-MODELS = Registry("model")
+MODELS = Registry("model", section="model")
 
 
-class ModelParams(BaseModel):
-    """Base of every model's parameters: unknown keys are errors, not silently ignored."""
+class ModelParams(Params):
+    """Base of every model's parameters (unknown keys, non-finite floats and booleans for numbers are errors)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)
 
 
 class FedModel(nn.Module):
