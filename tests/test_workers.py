@@ -122,3 +122,13 @@ def test_auto_workers(tiny_config, monkeypatch):
     assert auto(train={"clients_per_round": 1}) == 1
     monkeypatch.setattr(workers, "usable_cores", lambda: 1)
     assert auto(train={"participation": 1.0}) == 1
+
+
+def test_too_little_shared_memory_trains_in_process_with_a_warning(tiny_config, monkeypatch, capsys):
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(workers.shutil, "disk_usage", lambda path: usage(64 * 2**20, 64 * 2**20, 1000))
+    sim = Simulation(config(tiny_config, "fedavg", "small-shm", workers=2))
+    assert not isinstance(sim.executor, ProcessExecutor) and sim.workers == 1
+    assert "/dev/shm has 0 MB free: clients train here" in capsys.readouterr().err

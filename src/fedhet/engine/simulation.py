@@ -210,10 +210,14 @@ class Simulation:
         self.empty_streak = 0  # rounds in a row in which no client finished
 
     def local_executor(self, runner: ClientRunner, store) -> Executor:
+        from fedhet.engine.workers import ProcessExecutor, shared_memory_short
+
+        short = None if self.workers == 1 else shared_memory_short(self.fed.clients)
+        if short:
+            self.warn(f"run.workers={self.workers} needs the data in shared memory, but {short}: clients train here")
+            self.workers = 1
         if self.workers == 1:
             return LocalExecutor(runner, self.fed.clients, store)
-        from fedhet.engine.workers import ProcessExecutor
-
         return ProcessExecutor(runner, self.fed, store, self.cfg.to_dict(), self.workers)
 
     # ------------------------------------------------------------------ sampling and clients

@@ -24,6 +24,7 @@ import atexit
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -43,6 +44,18 @@ def usable_cores() -> int:
 
 
 # ------------------------------------------------------------------ data in shared memory
+def shared_memory_short(clients: list[ClientData]) -> str | None:
+    """Why the clients' data cannot go to shared memory (/dev/shm too small: Docker's default is 64 MB), or None."""
+    need = sum(t.numel() * t.element_size() for c in clients for t in (c.x, c.y, c.x_test, c.y_test) if t is not None)
+    try:
+        free = shutil.disk_usage("/dev/shm").free
+    except OSError:
+        return None  # not Linux: torch picks its own shared-memory mechanism
+    if need * 1.1 > free:
+        return f"the data needs {need / 2**20:.0f} MB of shared memory and /dev/shm has {free / 2**20:.0f} MB free"
+    return None
+
+
 @dataclass
 class SharedClients:
     """Every client's data as views into four shared tensors (train x/y, local test x/y)."""
