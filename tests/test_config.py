@@ -238,7 +238,7 @@ def test_a_utf8_bom_is_accepted(tmp_path):
 @pytest.mark.parametrize("name", ["", ".", "..", "../up", "a/b", "a\\b", "x\x00y", "tab\there", "[/]", "[bold]x"])
 def test_a_run_name_must_be_a_plain_folder_name(name):
     """run.name is a folder under run.out_dir that --overwrite deletes: '' or '..' would delete far more."""
-    refused({"run": {"name": name}}, "run.name: must be a folder name")
+    refused({"run": {"name": name}}, "run.name: must be a plain folder name")
 
 
 @pytest.mark.parametrize("name", ["a", "fedavg_fedadam-s0", "lr=0.1,mu=0.01", "résumé run"])
