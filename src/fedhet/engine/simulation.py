@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,8 +177,11 @@ class Simulation:
         fed: FederatedDataset | None = None,
         console: Console | None = None,
         executor: Executor | None = None,
+        on_round: Callable[[int, dict[str, Any] | None], None] | None = None,
     ) -> None:
         self.cfg = cfg
+        # told (rounds done, that round's metrics or None) once the folder is ready and after every round
+        self.on_round = on_round
         self.resolved = resolve_config(cfg)
         self.console = console or Console(stderr=True)
         self.name = cfg.run.name or cfg.default_name()
@@ -407,7 +411,10 @@ class Simulation:
         last = stop_after if stop_after is not None else rounds
         with self._progress() as progress:
             task = progress.add_task(self.name, total=rounds, completed=done, acc="—")
+            if self.on_round is not None:
+                self.on_round(done, None)
             for rnd in range(done + 1, last + 1):
+                record = None
                 try:
                     result = self.train_round(rnd, failures_log)
                     if rnd % self.cfg.run.eval_every == 0 or rnd == rounds:
@@ -422,6 +429,8 @@ class Simulation:
                     self.write_summary(rnd - 1, started, status="failed", error=str(err))
                     raise RunFailed(f"{err}; stopped, {note}") from None
                 progress.update(task, advance=1)
+                if self.on_round is not None:
+                    self.on_round(rnd, record)
         return self.write_summary(last, started)
 
     def train_round(self, rnd: int, failures_log: MetricsLog) -> RoundResult:
