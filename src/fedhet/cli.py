@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -11,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fedhet.errors import ConfigError, FedhetError, RunFailed
+from fedhet.errors import ConfigError, FedhetError, Interrupted, RunFailed
 from fedhet.flower.cli import flower_app
 
 app = typer.Typer(
@@ -91,7 +93,8 @@ def run(
         ),
     )
     sim = Simulation(cfg, console=err_console)
-    summary = sim.run(resume=resume, overwrite=overwrite)
+    with _interrupted(f"the last checkpoint is kept; continue with --resume or: fedhet resume {sim.run_dir}"):
+        summary = sim.run(resume=resume, overwrite=overwrite)
     _print_final(summary, sim.run_dir)
 
 
@@ -107,8 +110,18 @@ def resume(
 
     cfg = saved_run_config(run_dir, _overrides(set_, rounds=rounds))
     sim = Simulation(cfg, console=err_console)
-    summary = sim.run(resume=True)
+    with _interrupted(f"the last checkpoint is kept; continue with: fedhet resume {sim.run_dir}"):
+        summary = sim.run(resume=True)
     _print_final(summary, sim.run_dir)
+
+
+@contextmanager
+def _interrupted(how_to_continue: str) -> Iterator[None]:
+    """Ctrl-C while training: exit 130 with a message (typer would turn KeyboardInterrupt into a silent exit)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise Interrupted(how_to_continue) from None
 
 
 def _print_final(summary: dict[str, Any], run_dir: Path) -> None:
@@ -263,6 +276,9 @@ def list_cmd(
 def main() -> None:
     try:
         app()
+    except Interrupted as err:
+        err_console.print(f"[yellow]interrupted[/]: {escape(str(err))}", soft_wrap=True, highlight=False)
+        sys.exit(130)
     except RunFailed as err:  # the run started and could not go on: exit 1, as a failed program does
         err_console.print(f"[red]failed:[/] {escape(str(err))}", soft_wrap=True, highlight=False)
         sys.exit(1)
