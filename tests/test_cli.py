@@ -121,3 +121,20 @@ mu = 0.1
     assert (tmp_path / "out" / "comparison.png").exists()
     config = json.loads((tmp_path / "out" / "fedprox-s0" / "config.json").read_text())
     assert config["algorithm"] == {"name": "fedprox", "weighting": "samples", "mu": 0.1}
+
+
+def test_ctrl_c_says_how_to_continue(tmp_path, monkeypatch):
+    from fedhet.engine.simulation import Simulation
+    from fedhet.errors import Interrupted
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Simulation, "run", interrupted)
+    result = runner.invoke(app, ["run", *TINY, "-o", str(tmp_path), "--name", "a"])
+    assert isinstance(result.exception, Interrupted) and "continue with --resume" in str(result.exception)
+    sets = ["dataset.name=digits", "model.name=mlp", "partition.num_clients=4", "partition.min_size=20"]
+    sets = [arg for s in sets for arg in ("-s", s)]
+    result = runner.invoke(app, ["compare", *sets, "-o", str(tmp_path / "c"), "-v", "fedavg", "--jobs", "1"])
+    assert isinstance(result.exception, Interrupted)
+    assert "run the same command again to continue" in str(result.exception)

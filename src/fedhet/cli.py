@@ -148,27 +148,58 @@ def compare(
         ),
     ] = None,
     seeds: Annotated[str | None, typer.Option("--seeds", help="Comma list of seeds, e.g. 0,1,2.")] = None,
+    grid: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--grid",
+            "-g",
+            help="Sweep a setting: -g partition.alpha=0.1,0.5 (repeat for every combination; a list value in "
+            "brackets: -g model.hidden=[32],[64,64]). Each point gets a folder named by its values (alpha0.1).",
+        ),
+    ] = None,
     out: Annotated[str | None, typer.Option("--out", "-o")] = None,
     rounds: Annotated[int | None, typer.Option("--rounds", "-r")] = None,
-    resume: Annotated[bool, typer.Option("--resume")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+    jobs: Annotated[
+        str, typer.Option("--jobs", "-j", help="Cells run at once, in worker processes; 0 or auto: one per core.")
+    ] = "1",
+    threads: Annotated[
+        int | None,
+        typer.Option("--threads", min=1, help="Torch threads per cell (default: usable cores / jobs, at least 1)."),
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="List the cells and what each would do (start, skip, resume); train none.")
+    ] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Accepted for old scripts: compare always continues unfinished cells.")
+    ] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Rerun every cell from scratch.")] = False,
 ) -> None:
-    """Run several algorithms (x seeds) on the same setting; print a table and write an accuracy plot."""
+    """Run several algorithms (x seeds x grid values) on the same setting; print a table and write an accuracy plot.
+
+    Finished cells are skipped and killed ones continue from their last checkpoint, so rerunning the same command
+    picks up where it stopped."""
+    from fedhet.cells import parse_jobs
     from fedhet.compare import run_comparison
     from fedhet.engine.rundir import check_run_flags
 
     check_run_flags(resume, overwrite)
-
-    run_comparison(
-        config,
-        _overrides(set_, rounds=rounds, out=out),
-        variants,
-        seeds,
-        resume=resume,
-        overwrite=overwrite,
-        console=console,
-        err_console=err_console,
-    )
+    with _interrupted(
+        "every cell keeps its last checkpoint; run the same command again to continue (finished cells are "
+        "skipped, the others resume)"
+    ):
+        run_comparison(
+            config,
+            _overrides(set_, rounds=rounds, out=out),
+            variants,
+            seeds,
+            grid=grid,
+            jobs=parse_jobs(jobs),
+            threads=threads,
+            overwrite=overwrite,
+            dry_run=dry_run,
+            console=console,
+            err_console=err_console,
+        )
 
 
 @app.command("partition")
