@@ -337,7 +337,7 @@ class Simulation:
             self.warn(
                 f"this run trained with {before} torch thread(s) and resumes with {now}: float sums then differ "
                 f"in the last bits, so it will not match an uninterrupted run bit for bit (set OMP_NUM_THREADS={before}"
-                " to match)"
+                f", or fedhet compare --threads {before}, to match)"
             )
 
     # ------------------------------------------------------------------ the run folder
