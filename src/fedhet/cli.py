@@ -176,8 +176,7 @@ def compare(
 ) -> None:
     """Run several algorithms (x seeds x grid values) on the same setting; print a table and write an accuracy plot.
 
-    Finished cells are skipped and killed ones continue from their last checkpoint, so rerunning the same command
-    picks up where it stopped."""
+    Rerunning the same command skips finished cells and continues killed ones from their last checkpoint."""
     from fedhet.cells import parse_jobs
     from fedhet.compare import run_comparison
     from fedhet.engine.rundir import check_run_flags
