@@ -271,3 +271,21 @@ def test_a_dead_worker_fails_its_cell_only_and_ctrl_c_stops_every_worker(tmp_pat
     assert dry.returncode == 0 and dry.stdout.count("resume: metrics to round") == 3, dry.stdout + dry.stderr
     for cell in plan_comparison(cfg, ["run.rounds=1000", f"run.out_dir={str(out)!r}"]).cells:
         assert Simulation(cell.config).prepare_dir(resume=True, overwrite=False) >= 1  # a checkpoint to go on from
+
+
+def test_each_data_set_is_loaded_once_however_the_cells_are_listed(tmp_path, monkeypatch):
+    import fedhet.engine.simulation as simulation
+
+    loads = []
+    real = simulation.build_federation
+
+    def counting(cfg):
+        loads.append(cfg.run.seed)
+        return real(cfg)
+
+    monkeypatch.setattr(simulation, "build_federation", counting)
+    cfg = write_config(tmp_path, 'variants = ["fedavg", "fedprox"]\nseeds = [0, 1]\n')
+    out = str(tmp_path / "out")
+    result = compare("-c", str(cfg), "-o", out, "-r", "1", "-g", "train.lr=0.05,0.1", "--threads", "1")
+    assert result.exit_code == 0, result.output
+    assert sorted(loads) == [0, 1]  # 8 cells, 2 data sets (one per seed: the lr grid does not change the data)
