@@ -250,3 +250,20 @@ def test_cli_errors_print_on_one_line_with_brackets_kept(tmp_path, args, expecte
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr
     assert "valid keys in [train]: participation," in lines[0] or "algorithm" in expected
+
+
+def test_ctrl_c_says_how_to_continue(tmp_path, monkeypatch):
+    from fedhet.engine.simulation import Simulation
+    from fedhet.errors import Interrupted
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Simulation, "run", interrupted)
+    result = runner.invoke(app, ["run", *TINY, "-o", str(tmp_path), "--name", "a"])
+    assert isinstance(result.exception, Interrupted) and "continue with --resume" in str(result.exception)
+    sets = ["dataset.name=digits", "model.name=mlp", "partition.num_clients=4", "partition.min_size=20"]
+    sets = [arg for s in sets for arg in ("-s", s)]
+    result = runner.invoke(app, ["compare", *sets, "-o", str(tmp_path / "c"), "-v", "fedavg", "--jobs", "1"])
+    assert isinstance(result.exception, Interrupted)
+    assert "run the same command again to continue" in str(result.exception)

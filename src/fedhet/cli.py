@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -11,7 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from fedhet.errors import ConfigError, FedhetError, RunFailed
+from fedhet.errors import ConfigError, FedhetError, Interrupted, RunFailed
 from fedhet.flower.cli import flower_app
 
 app = typer.Typer(
@@ -91,7 +93,8 @@ def run(
         ),
     )
     sim = Simulation(cfg, console=err_console)
-    summary = sim.run(resume=resume, overwrite=overwrite)
+    with _interrupted(f"the last checkpoint is kept; continue with --resume or: fedhet resume {sim.run_dir}"):
+        summary = sim.run(resume=resume, overwrite=overwrite)
     _print_final(summary, sim.run_dir)
 
 
@@ -107,8 +110,18 @@ def resume(
 
     cfg = saved_run_config(run_dir, _overrides(set_, rounds=rounds))
     sim = Simulation(cfg, console=err_console)
-    summary = sim.run(resume=True)
+    with _interrupted(f"the last checkpoint is kept; continue with: fedhet resume {sim.run_dir}"):
+        summary = sim.run(resume=True)
     _print_final(summary, sim.run_dir)
+
+
+@contextmanager
+def _interrupted(how_to_continue: str) -> Iterator[None]:
+    """Ctrl-C while training: exit 130 with a message (typer would turn KeyboardInterrupt into a silent exit)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise Interrupted(how_to_continue) from None
 
 
 def _print_final(summary: dict[str, Any], run_dir: Path) -> None:
@@ -135,27 +148,57 @@ def compare(
         ),
     ] = None,
     seeds: Annotated[str | None, typer.Option("--seeds", help="Comma list of seeds, e.g. 0,1,2.")] = None,
+    grid: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--grid",
+            "-g",
+            help="Sweep a setting: -g partition.alpha=0.1,0.5 (repeat for every combination; a list value in "
+            "brackets: -g model.hidden=[32],[64,64]). Each point gets a folder named by its values (alpha0.1).",
+        ),
+    ] = None,
     out: Annotated[str | None, typer.Option("--out", "-o")] = None,
     rounds: Annotated[int | None, typer.Option("--rounds", "-r")] = None,
-    resume: Annotated[bool, typer.Option("--resume")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite")] = False,
+    jobs: Annotated[
+        str, typer.Option("--jobs", "-j", help="Cells run at once, in worker processes; 0 or auto: one per core.")
+    ] = "1",
+    threads: Annotated[
+        int | None,
+        typer.Option("--threads", min=1, help="Torch threads per cell (default: usable cores / jobs, at least 1)."),
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="List the cells and what each would do (start, skip, resume); train none.")
+    ] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Accepted for old scripts: compare always continues unfinished cells.")
+    ] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Rerun every cell from scratch.")] = False,
 ) -> None:
-    """Run several algorithms (x seeds) on the same setting; print a table and write an accuracy plot."""
+    """Run several algorithms (x seeds x grid values) on the same setting; print a table and write an accuracy plot.
+
+    Rerunning the same command skips finished cells and continues killed ones from their last checkpoint."""
+    from fedhet.cells import parse_jobs
     from fedhet.compare import run_comparison
     from fedhet.engine.rundir import check_run_flags
 
     check_run_flags(resume, overwrite)
-
-    run_comparison(
-        config,
-        _overrides(set_, rounds=rounds, out=out),
-        variants,
-        seeds,
-        resume=resume,
-        overwrite=overwrite,
-        console=console,
-        err_console=err_console,
-    )
+    with _interrupted(
+        "every cell keeps its last checkpoint; run the same command again to continue (finished cells are "
+        "skipped, the others resume)"
+    ):
+        run_comparison(
+            config,
+            _overrides(set_, rounds=rounds, out=out),
+            variants,
+            seeds,
+            grid=grid,
+            jobs=parse_jobs(jobs),
+            threads=threads,
+            overwrite=overwrite,
+            dry_run=dry_run,
+            console=console,
+            err_console=err_console,
+        )
 
 
 @app.command("partition")
@@ -263,6 +306,9 @@ def list_cmd(
 def main() -> None:
     try:
         app()
+    except Interrupted as err:
+        err_console.print(f"[yellow]interrupted[/]: {escape(str(err))}", soft_wrap=True, highlight=False)
+        sys.exit(130)
     except RunFailed as err:  # the run started and could not go on: exit 1, as a failed program does
         err_console.print(f"[red]failed:[/] {escape(str(err))}", soft_wrap=True, highlight=False)
         sys.exit(1)

@@ -1,4 +1,4 @@
-"""Comparisons: the same federated setting trained with several algorithms (and seeds), then one table and plot.
+"""Comparisons: the same federated setting trained with several algorithms, seeds and settings; one table and plot.
 
 A comparison config is a run config plus a ``[compare]`` table::
 
@@ -9,21 +9,30 @@ A comparison config is a run config plus a ``[compare]`` table::
     mu = 0.01
     [compare.server_params.fedadam]                      # ... or of one server optimiser
     lr = 0.03
+    [compare.grid]                                       # a sweep: every combination of these values
+    partition.alpha = [0.1, 0.5]
 
-The data are loaded and partitioned once per seed and shared by every variant.
+The cells are grid point x seed x variant. Each is an ordinary run in ``OUT/<variant>-s<seed>``, or
+``OUT/<point>/<variant>-s<seed>`` with a grid, where the point's folder names the swept values (``alpha0.1``,
+``alpha0.1-mu0.01``). ``fedhet.cells.run_cells`` runs them (in parallel with ``jobs``, skipping finished cells and
+resuming killed ones); then one table and plot of every cell go to ``OUT``, and one per grid point to its folder.
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, ValidationError
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
 
-from fedhet.config import apply_override, build_config, load_raw
+from fedhet.cells import Cell, cell_state, check_conflicts, run_cells
+from fedhet.config import apply_override, build_config, load_raw, parse_value, set_dotted
 from fedhet.errors import ConfigError, RunFailed
 from fedhet.params import Params, Seed, problem, shown
 
@@ -35,6 +44,7 @@ class CompareSpec(Params):
     seeds: list[Seed] | None = Field(None, min_length=1)  # None: run.seed
     params: dict[str, dict[str, Any]] = {}  # algorithm name -> its hyper-parameters
     server_params: dict[str, dict[str, Any]] = {}  # server optimiser name -> its hyper-parameters
+    grid: dict[str, Any] = {}  # setting -> values to sweep (``partition.alpha = [0.1, 0.5]``)
 
 
 def parse_spec(table: Any) -> CompareSpec:
@@ -71,6 +81,16 @@ def parse_variants(text: str) -> list[str]:
     return names
 
 
+# Settings a grid may not sweep, and what sets them instead.
+NOT_IN_GRID = {
+    "run.seed": "--seeds (compare.seeds)",
+    "run.name": "the comparison (cells are named VARIANT-sSEED)",
+    "run.out_dir": "--out (each grid point gets its own folder)",
+    "algorithm.name": "--variants (compare.variants)",
+    "server.name": "--variants ALGORITHM+SERVER_OPTIMISER",
+}
+
+
 def parse_variant(text: str) -> tuple[str, str | None]:
     algo, _, server = text.strip().partition("+")
     if not algo:
@@ -92,20 +112,113 @@ def variant_raw(base: dict[str, Any], variant: str, seed: int, spec: dict[str, A
     return raw
 
 
-def run_comparison(
+# ---------------------------------------------------------------------------------------------- grids
+
+
+def split_values(text: str) -> list[str]:
+    """``0.1,0.5`` -> ["0.1", "0.5"]; commas inside brackets or quotes stay: ``[32],[64,64]`` -> two lists."""
+    parts, current, depth, quote = [], [], 0, ""
+    for ch in text:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[({":
+            depth += 1
+        elif ch in "])}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append("".join(current).strip())
+            current = []
+            continue
+        current.append(ch)
+    parts.append("".join(current).strip())
+    return parts
+
+
+def parse_grid_option(items: list[str]) -> dict[str, list[Any]]:
+    """``--grid section.key=v1,v2`` (repeatable) -> {"section.key": [v1, v2]}; values parse as ``-s`` values do."""
+    grid: dict[str, list[Any]] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        values = split_values(text)
+        if not sep or not key.strip() or "" in values:
+            raise ConfigError(
+                f"--grid {item!r} must look like section.key=v1,v2,... (a list value in brackets: "
+                "model.hidden=[32],[64,64])"
+            )
+        grid[key.strip()] = [parse_value(v) for v in values]
+    return grid
+
+
+def grid_from_table(table: dict[str, Any], prefix: str = "") -> dict[str, list[Any]]:
+    """``[compare.grid]`` with ``partition.alpha = [0.1, 0.5]`` (TOML makes dotted keys nested tables)."""
+    grid: dict[str, list[Any]] = {}
+    for key, value in table.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            grid.update(grid_from_table(value, name + "."))
+        elif isinstance(value, list) and value:
+            grid[name] = value
+        else:
+            raise ConfigError(f"[compare.grid] {name}: give a list of values, e.g. {name} = [0.1, 0.5]")
+    return grid
+
+
+def slug(value: Any) -> str:
+    """A value as it appears in a folder name: 0.1 -> "0.1", [32, 64] -> "32-64", "a/b" -> "a_b"."""
+    from fedhet.results.report import format_value
+
+    text = format_value(value)
+    for old, new in (("[", ""), ("]", ""), (",", "-"), (" ", ""), ("/", "_"), ("\\", "_")):
+        text = text.replace(old, new)
+    return text
+
+
+def grid_points(grid: dict[str, list[Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(folder name, {key: value}) for every combination, in order: ``alpha0.1-mu0.01``; a name's value alone."""
+    from fedhet.results.report import short_names
+
+    if not grid:
+        return [("", {})]
+    for key in grid:
+        if key in NOT_IN_GRID:
+            raise ConfigError(f"grid key {key!r} cannot be swept: use {NOT_IN_GRID[key]}")
+        if "." not in key:
+            raise ConfigError(f"grid key {key!r} must name a section, e.g. partition.alpha")
+    short = short_names(list(grid))
+    points = []
+    for combo in itertools.product(*grid.values()):
+        values = dict(zip(grid, combo, strict=True))
+        name = "-".join(slug(v) if k.endswith(".name") else f"{short[k]}{slug(v)}" for k, v in values.items())
+        points.append((name, values))
+    names = [n for n, _ in points]
+    if len(set(names)) < len(names) or any(n in ("", ".", "..") for n in names):
+        raise ConfigError(f"the grid {grid} gives repeated or empty folder names ({', '.join(names)})")
+    return points
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class Comparison:
+    cells: list[Cell]
+    labels: dict[str, str]  # cell name -> "fedprox seed 0" (+ its grid point), as failures are listed
+    points: dict[str, list[str]]  # grid point folder -> its cells ({"": all} without a grid)
+    out_dir: Path
+    progress: bool  # run.progress of the base setting: show the live display
+
+
+def plan_comparison(
     config: Path | None,
     overrides: list[str],
-    variants: str | None,
-    seeds: str | None,
-    *,
-    resume: bool,
-    overwrite: bool,
-    console: Console,
-    err_console: Console,
-) -> list[Path]:
-    from fedhet.engine.simulation import Simulation, build_federation, resolve_config
-    from fedhet.results.plots import plot_curves
-    from fedhet.results.report import group_runs, load_runs, print_table, summary_table, to_markdown
+    variants: str | None = None,
+    seeds: str | None = None,
+    grid: list[str] | None = None,
+) -> Comparison:
+    """Every cell's validated config (grid point x seed x variant); raises ConfigError naming a bad cell."""
+    from fedhet.engine.simulation import resolve_config
 
     base = load_raw(config)
     spec = parse_spec(base.pop("compare", {}))
@@ -120,33 +233,99 @@ def run_comparison(
         run = base.get("run")
         seed_list = [run.get("seed", 0) if isinstance(run, dict) else 0]
     table = spec.model_dump()
-    configs = [(v, s, build_config(variant_raw(base, v, s, table))) for s in seed_list for v in names]
-    for _, _, cfg in configs:  # validate every config before training any
-        resolve_config(cfg)
-    out_dir = Path(configs[0][2].run.out_dir)
-    run_dirs = []
-    feds: dict[int, Any] = {}
-    failed = []
-    for variant, seed, cfg in configs:
-        if seed not in feds:
-            feds[seed] = build_federation(cfg)
-        sim = Simulation(cfg, fed=feds[seed], console=err_console)
-        try:
-            sim.run(resume=resume, overwrite=overwrite)
-        except RunFailed as err:  # one diverging cell must not cost the others
-            err_console.print(f"[red]failed:[/] {escape(f'{variant} seed {seed}: {err}')}", soft_wrap=True)
-            failed.append(f"{variant} seed {seed}")
-            if not (sim.run_dir / "metrics.jsonl").exists():
-                continue  # failed before its first evaluation: nothing to tabulate
-        run_dirs.append(sim.run_dir)
+    sweep = grid_from_table(spec.grid)
+    sweep.update(parse_grid_option(list(grid or [])))
+    base_cfg = build_config(base)
+    out_dir = Path(base_cfg.run.out_dir)
+    cells, labels, points = [], {}, {}
+    for point, values in grid_points(sweep):
+        points[point] = []
+        for seed in seed_list:
+            for variant in names:
+                raw = variant_raw(base, variant, seed, table)
+                for key, value in values.items():
+                    set_dotted(raw, key, value)
+                if point:
+                    raw["run"]["out_dir"] = str(out_dir / point)
+                name = f"{point}/{raw['run']['name']}" if point else raw["run"]["name"]
+                try:
+                    cfg = build_config(raw)
+                    resolve_config(cfg)  # every cell is checked before any trains
+                except ConfigError as err:
+                    raise ConfigError(f"{name}: {err}") from None
+                cells.append(Cell(name, cfg))
+                labels[name] = f"{variant} seed {seed}" + (f" {point}" if point else "")
+                points[point].append(name)
+    return Comparison(cells, labels, points, out_dir, base_cfg.run.progress)
+
+
+def print_plan(plan: Comparison, overwrite: bool, console: Console) -> None:
+    """--dry-run: each cell, its folder and what running would do; then the error a conflict would raise."""
+    states = {c.name: cell_state(c) for c in plan.cells}
+    table = Table(title=f"{len(plan.cells)} cells in {plan.out_dir}", title_justify="left")
+    for column in ("cell", "run folder", "rounds", "action"):
+        table.add_column(column, overflow="fold")
+    for cell in plan.cells:
+        state = states[cell.name]
+        action = "replace (--overwrite)" if overwrite and state.action != "start" else state.action
+        detail = f": {state.detail}" if state.detail and not overwrite else ""
+        table.add_row(
+            escape(cell.name), escape(str(cell.run_dir)), str(cell.config.run.rounds), escape(action + detail)
+        )
+    console.print(table)
+    if not overwrite:
+        check_conflicts(plan.cells, states)
+
+
+def run_comparison(
+    config: Path | None,
+    overrides: list[str],
+    variants: str | None,
+    seeds: str | None,
+    *,
+    grid: list[str] | None = None,
+    jobs: int = 1,
+    threads: int | None = None,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    console: Console,
+    err_console: Console,
+) -> list[Path]:
+    """Run (or continue) every cell, then write the tables and plots; returns the run folders tabulated.
+
+    Raises RunFailed, after tabulating the others, when some cells failed."""
+    plan = plan_comparison(config, overrides, variants, seeds, grid)
+    if dry_run:
+        print_plan(plan, overwrite, console)
+        return []
+    results = run_cells(
+        plan.cells, jobs=jobs, threads=threads, overwrite=overwrite, console=err_console, progress=plan.progress
+    )
+    failed = [plan.labels[r.name] for r in results if r.status == "failed"]
+    # a cell that failed before its first evaluation has nothing to tabulate
+    run_dirs = {r.name: r.run_dir for r in results if r.status != "failed" or r.has_metrics}
     if not run_dirs:
         raise RunFailed(f"every run failed ({', '.join(failed)}); see their summary.json")
+    tabulate(list(run_dirs.values()), plan.out_dir, console)
+    if len(plan.points) > 1:  # and each grid point on its own, beside its runs
+        for point, names in plan.points.items():
+            dirs = [run_dirs[n] for n in names if n in run_dirs]
+            if dirs:
+                tabulate(dirs, plan.out_dir / point, console, show=False)
+    if failed:
+        raise RunFailed(f"{len(failed)} of {len(plan.cells)} runs failed ({', '.join(failed)}); see their summary.json")
+    return list(run_dirs.values())
+
+
+def tabulate(run_dirs: list[Path], out_dir: Path, console: Console, show: bool = True) -> None:
+    """comparison.md and comparison.png in ``out_dir``; the table is printed when ``show``."""
+    from fedhet.results.plots import plot_curves
+    from fedhet.results.report import group_runs, load_runs, print_table, summary_table, to_markdown
+
     groups = group_runs(load_runs(run_dirs))
     rows = summary_table(groups, metric="test_acc")
-    print_table(rows, console)
     (out_dir / "comparison.md").write_text(to_markdown(rows) + "\n")
     plot = plot_curves(groups, out_dir / "comparison.png", metric="test_acc")
-    console.print(escape(f"table: {out_dir / 'comparison.md'}\nplot:  {plot}"))
-    if failed:
-        raise RunFailed(f"{len(failed)} of {len(configs)} runs failed ({', '.join(failed)}); see their summary.json")
-    return run_dirs
+    if show:
+        print_table(rows, console)
+        console.print(escape(f"table: {out_dir / 'comparison.md'}\nplot:  {plot}"))

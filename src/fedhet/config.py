@@ -242,6 +242,11 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     if "=" not in assignment:
         raise ConfigError(f"override {assignment!r} must look like section.key=value")
     key, value = assignment.split("=", 1)
+    set_dotted(raw, key, parse_value(value))
+
+
+def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    """``raw["train"]["lr"] = value`` for ``key = "train.lr"``, creating sections as needed."""
     parts = [part.strip() for part in key.strip().split(".")]
     if len(parts) < 2:
         raise ConfigError(f"override key {key!r} must name a section, e.g. train.lr=0.05")
@@ -252,7 +257,7 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {key!r}: {part!r} is not a section")
-    node[parts[-1]] = parse_value(value)
+    node[parts[-1]] = value
 
 
 def load_raw(path: str | Path | None) -> dict[str, Any]:

@@ -15,6 +15,10 @@ class RunFailed(FedhetError):
     """A run that cannot go on (non-finite model, no client left); summary.json says why, the last checkpoint stays."""
 
 
+class Interrupted(FedhetError):
+    """Ctrl-C: training stopped, the last checkpoints are kept; the message says how to continue."""
+
+
 def unknown_choice(kind: str, name: str, choices) -> ConfigError:
     """The standard 'unknown X' error, listing the valid names."""
     return ConfigError(f"unknown {kind} {name!r}; choose one of: {', '.join(sorted(choices))}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,7 +97,7 @@ def build_algorithm(cfg: Config, setup: Setup) -> Algorithm:
 
 
 # What a resumed run may change: how far it goes and how it reports, never what the rounds so far computed.
-RESUMABLE_CHANGES = ("run.rounds", "run.progress", "run.checkpoint_every", "run.max_empty_rounds")
+RESUMABLE_CHANGES = ("run.rounds", "run.progress", "run.checkpoint_every", "run.max_empty_rounds", "run.workers")
 # Where the run folder is: a moved or copied run folder stays resumable.
 LOCATION = ("run.out_dir", "run.name")
 
@@ -190,8 +191,11 @@ class Simulation:
         fed: FederatedDataset | None = None,
         console: Console | None = None,
         executor: Executor | None = None,
+        on_round: Callable[[int, dict[str, Any] | None], None] | None = None,
     ) -> None:
         self.cfg = cfg
+        # told (rounds done, that round's metrics or None) once the folder is ready and after every round
+        self.on_round = on_round
         self.resolved = resolve_config(cfg)
         self.console = console or Console(stderr=True)
         self.name = cfg.run.name or cfg.default_name()
@@ -373,8 +377,8 @@ class Simulation:
         if before is not None and before != now:
             self.warn(
                 f"this run's clients trained with {before} torch thread(s) and now train with {now}: float sums "
-                "then differ in the last bits, so it will not match an uninterrupted run bit for bit (match the "
-                f"thread count with OMP_NUM_THREADS={before}, or run.workers >= 2 for one thread per client)"
+                "then differ in the last bits, so it will not match an uninterrupted run bit for bit (match it with "
+                f"OMP_NUM_THREADS={before} or fedhet compare --threads {before}; run.workers >= 2 trains with one)"
             )
 
     # ------------------------------------------------------------------ the run folder
@@ -454,7 +458,10 @@ class Simulation:
         last = stop_after if stop_after is not None else rounds
         with self._progress() as progress:
             task = progress.add_task(self.name, total=rounds, completed=done, acc="—")
+            if self.on_round is not None:
+                self.on_round(done, None)
             for rnd in range(done + 1, last + 1):
+                record = None
                 try:
                     result = self.train_round(rnd, failures_log)
                     if rnd % self.cfg.run.eval_every == 0 or rnd == rounds:
@@ -469,6 +476,8 @@ class Simulation:
                     self.write_summary(rnd - 1, started, status="failed", error=str(err))
                     raise RunFailed(f"{err}; stopped, {note}") from None
                 progress.update(task, advance=1)
+                if self.on_round is not None:
+                    self.on_round(rnd, record)
         return self.write_summary(last, started)
 
     def train_round(self, rnd: int, failures_log: MetricsLog) -> RoundResult:

@@ -1,0 +1,495 @@
+"""Many runs at once: cells in worker processes, finished ones skipped, killed ones resumed, one progress display.
+
+A *cell* is one ordinary run: a ``Config`` whose folder is ``run.out_dir/run.name``. ``run_cells`` first looks at
+every cell's folder, without loading any data:
+
+- no run there: the cell starts;
+- a run of the same resolved config that finished ``run.rounds`` rounds or more: skipped;
+- any other run of the same config (killed, stopped, failed, or finished with fewer rounds): continued with
+  ``Simulation.run(resume=True)``, from its last checkpoint, bit for bit, or extended;
+- a run of another config: an error naming the cell and the settings that differ, before anything trains.
+
+``overwrite=True`` replaces every cell's run instead.
+
+Cells run in ``jobs`` worker processes started with "spawn" (a process whose torch threads exist must not fork),
+each with ``threads`` torch threads set before any work; with one worker (or one cell to run) they run in this
+process under the same thread count. A cell's results depend on its config and thread count only, not on where
+it ran (the engine derives every random stream from the seed, round and client). A worker keeps the federated
+data of its last cell, and cells that share data are queued together, so each worker loads a data set once.
+Workers send their progress, console output (warnings) and results through one queue to a single rich display.
+A failed cell is reported and the others go on. Ctrl-C stops every worker at once: a checkpoint is complete
+whenever a process dies, so running the same cells again continues them.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from fedhet.config import Config, build_config
+from fedhet.errors import ConfigError, FedhetError
+
+Event = tuple[Any, ...]
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def parse_jobs(text: str | int) -> int:
+    """``--jobs``: a number of worker processes, or ``0`` / ``auto`` for one per usable core."""
+    value = str(text).strip().lower()
+    if value in ("0", "auto"):
+        return usable_cores()
+    try:
+        jobs = int(value)
+    except ValueError:
+        jobs = -1
+    if jobs < 1:
+        raise ConfigError(
+            f"--jobs {text!r}: give a number of worker processes, or 0 or auto for one per usable core "
+            f"({usable_cores()} here)"
+        )
+    return jobs
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str  # how the display and the messages call it, e.g. "alpha0.1/fedprox-s0"
+    config: Config
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.config.run.out_dir) / (self.config.run.name or self.config.default_name())
+
+
+@dataclass
+class CellResult:
+    name: str
+    run_dir: Path
+    status: str  # "skipped" (it had finished before), "finished", "stopped" or "failed"
+    rounds_done: int = 0
+    final: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def has_metrics(self) -> bool:
+        return (self.run_dir / "metrics.jsonl").exists()
+
+
+@dataclass(frozen=True)
+class CellState:
+    action: str  # "start", "skip", "resume" or "conflict"
+    detail: str = ""
+    rounds_done: int = 0
+
+
+def cell_state(cell: Cell) -> CellState:
+    """What running ``cell`` would do with what its folder holds; reads only small JSON files, never data."""
+    from fedhet.engine.rundir import holds_run
+    from fedhet.engine.simulation import config_changes, resolve_config
+    from fedhet.results.store import read_json, read_metrics
+
+    folder = cell.run_dir
+    if not holds_run(folder):
+        return CellState("start")
+    try:
+        saved = read_json(folder / "config.json")
+    except (OSError, ValueError):
+        saved = None  # no readable config: the engine decides whether the folder can be resumed
+    if isinstance(saved, dict):
+        changed = config_changes(saved, resolve_config(cell.config))
+        if changed:
+            return CellState("conflict", ", ".join(changed))
+    try:
+        summary = read_json(folder / "summary.json")
+    except (OSError, ValueError):
+        summary = {}
+    done = summary.get("rounds_done", 0) if isinstance(summary, dict) else 0
+    if isinstance(summary, dict) and summary.get("status") == "finished":
+        if done >= cell.config.run.rounds:
+            return CellState("skip", f"finished round {done}", done)
+        return CellState("resume", f"finished round {done}, extend", done)
+    if isinstance(summary, dict) and summary.get("status") == "failed":
+        return CellState("resume", f"failed after round {done}, retry from its last checkpoint", done)
+    try:
+        last = max((r["round"] for r in read_metrics(folder / "metrics.jsonl")), default=0)
+    except FedhetError:
+        last = 0
+    return CellState("resume", f"metrics to round {last}" if last else "no metrics yet", last)
+
+
+def check_conflicts(cells: list[Cell], states: dict[str, CellState]) -> None:
+    """One error for every cell whose folder holds a run of another config."""
+    bad = [f"{c.name} ({states[c.name].detail})" for c in cells if states[c.name].action == "conflict"]
+    if bad:
+        raise ConfigError(
+            f"{len(bad)} cell(s) already hold a run of a different config: {'; '.join(bad)}; only run.rounds "
+            "may grow on a rerun: replace them with --overwrite, or choose another run.out_dir"
+        )
+
+
+def data_key(cfg: Config) -> str:
+    """Cells with equal keys train on the same federated data (what ``build_federation`` depends on)."""
+    raw = cfg.to_dict()
+    seed = cfg.run.seed if cfg.partition.seed is None else cfg.partition.seed
+    return json.dumps([raw["dataset"], raw["partition"], seed, cfg.run.device], sort_keys=True)
+
+
+def by_data(cells: list[Cell]) -> list[Cell]:
+    """Cells grouped by data set (in order of first appearance), each group in the given order."""
+    first: dict[str, int] = {}
+    keys = [first.setdefault(data_key(c.config), len(first)) for c in cells]
+    return [c for _, _, c in sorted(zip(keys, range(len(cells)), cells, strict=True), key=lambda t: t[:2])]
+
+
+def run_cells(
+    cells: list[Cell],
+    *,
+    jobs: int = 1,
+    threads: int | None = None,
+    overwrite: bool = False,
+    console: Console | None = None,
+    progress: bool = True,
+) -> list[CellResult]:
+    """Run every cell that has not finished (see the module docstring); returns one result per cell, in order.
+
+    ``threads``: torch threads per cell (default: usable cores // jobs, at least 1). Raises ``ConfigError`` before
+    anything trains when cells share a folder or a folder holds a run of another config."""
+    console = console or Console(stderr=True)
+    if jobs < 1:
+        raise ConfigError(f"jobs must be at least 1, got {jobs}")
+    folders: dict[Path, str] = {}
+    for c in cells:
+        other = folders.setdefault(c.run_dir.resolve(), c.name)
+        if other != c.name:
+            raise ConfigError(f"cells {other} and {c.name} would share the run folder {c.run_dir}")
+    states = {c.name: CellState("start") if overwrite else cell_state(c) for c in cells}
+    check_conflicts(cells, states)
+    threads = threads or max(1, usable_cores() // jobs)
+    skipped = {
+        c.name: CellResult(c.name, c.run_dir, "skipped", states[c.name].rounds_done)
+        for c in cells
+        if states[c.name].action == "skip"
+    }
+    todo = by_data([c for c in cells if c.name not in skipped])
+    with _Display(console, total=len(cells), done=len(skipped), enabled=progress) as display:
+        if skipped:
+            names = ", ".join(list(skipped)[:6]) + (", ..." if len(skipped) > 6 else "")
+            display.note(f"{len(skipped)} of {len(cells)} cells had finished before: skipped ({names})")
+        if min(jobs, len(todo)) <= 1:
+            results = _run_here(todo, threads, overwrite, display)
+        else:
+            results = _run_in_workers(todo, min(jobs, len(todo)), threads, overwrite, display)
+    by_name = {**skipped, **{r.name: r for r in results}}
+    return [by_name[c.name] for c in cells]
+
+
+# ---------------------------------------------------------------------------------------------- one cell
+
+
+class _DataCache:
+    """The federated data of the last cell, reused by the next cell with the same data set and split."""
+
+    def __init__(self) -> None:
+        self.key: str | None = None
+        self.fed: Any = None
+
+    def get(self, cfg: Config) -> Any:
+        from fedhet.engine.simulation import build_federation
+
+        key = data_key(cfg)
+        if key != self.key:
+            self.key = self.fed = None  # let the old one go before loading the next
+            self.fed = build_federation(cfg)
+            self.key = key
+        return self.fed
+
+
+class _Lines:
+    """A file for a rich Console that sends what each print wrote as one text."""
+
+    def __init__(self, send: Callable[[str], None]) -> None:
+        self.send, self.buffer = send, []
+
+    def write(self, text: str) -> int:
+        self.buffer.append(text)
+        return len(text)
+
+    def flush(self) -> None:
+        text, self.buffer = "".join(self.buffer).rstrip("\n"), []
+        if text:
+            self.send(text)
+
+    def isatty(self) -> bool:
+        return False
+
+
+@contextmanager
+def _forward_warnings(send: Callable[[str], None]) -> Iterator[None]:
+    """Python warnings (a torn metrics line, say) go to the display with the cell's name, not to raw stderr."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        send(f"warning: {message}")
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+
+
+def _run_cell(name: str, raw: dict[str, Any], overwrite: bool, data: _DataCache, emit: Callable[[Event], None]):
+    """Run one cell wherever this is called; every outcome but Ctrl-C becomes a CellResult."""
+    from fedhet.engine.simulation import Simulation
+
+    raw["run"]["progress"] = False  # the cell's own bar would garble the shared display
+    cfg = build_config(raw)
+    run_dir = Path(cfg.run.out_dir) / (cfg.run.name or cfg.default_name())
+    emit(("start", name, os.getpid(), cfg.run.rounds))
+
+    def log(text: str) -> None:
+        emit(("log", name, text))
+
+    def on_round(rnd: int, record: dict[str, Any] | None) -> None:
+        emit(("round", name, rnd, None if record is None else record.get("test_acc")))
+
+    console = Console(file=_Lines(log), width=1000, color_system=None, force_terminal=False, highlight=False)
+    try:
+        with _forward_warnings(log):
+            sim = Simulation(cfg, fed=data.get(cfg), console=console, on_round=on_round)
+            summary = sim.run(resume=not overwrite, overwrite=overwrite)
+    except FedhetError as err:  # RunFailed, a refused resume, a missing data set: this cell only
+        return CellResult(name, run_dir, "failed", error=str(err))
+    except Exception as err:  # a bug or a crash (out of memory): report it with its traceback, go on
+        log(traceback.format_exc())
+        return CellResult(name, run_dir, "failed", error=f"{type(err).__name__}: {err}")
+    return CellResult(name, run_dir, summary["status"], summary["rounds_done"], summary.get("final", {}))
+
+
+def _run_here(todo: list[Cell], threads: int, overwrite: bool, display: _Display) -> list[CellResult]:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    data = _DataCache()
+    results = []
+    try:
+        for cell in todo:
+            result = _run_cell(cell.name, cell.config.to_dict(), overwrite, data, display.handle)
+            display.handle(("result", result))
+            results.append(result)
+    finally:
+        torch.set_num_threads(before)
+    return results
+
+
+# ---------------------------------------------------------------------------------------------- workers
+
+
+def _worker(tasks: Any, events: Any, threads: int) -> None:
+    """A worker process: run cells from ``tasks`` until None; everything it has to say goes to ``events``."""
+    # Ctrl-C in a terminal reaches the whole process group: the parent alone decides, and stops the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = mp.parent_process()
+    if parent is not None:  # a parent killed outright (SIGKILL, SIGTERM) takes its workers with it
+        threading.Thread(target=_exit_with, args=(parent.sentinel,), daemon=True).start()
+    import torch
+
+    torch.set_num_threads(threads)
+    data = _DataCache()
+    for name, raw, overwrite in iter(tasks.get, None):
+        # cells are the parallel unit here: their clients train in this process (it may not start processes of its
+        # own), with one thread per client as worker processes would, so the bits are the same either way
+        raw = {**raw, "run": {**raw["run"], "workers": 1}}
+        events.put(("result", _run_cell(name, raw, overwrite, data, events.put)))
+
+
+def _exit_with(sentinel: int) -> None:
+    from multiprocessing.connection import wait
+
+    wait([sentinel])
+    os._exit(1)  # like a kill: the checkpoints on disk are complete at every instant
+
+
+def _run_in_workers(
+    todo: list[Cell], workers: int, threads: int, overwrite: bool, display: _Display
+) -> list[CellResult]:
+    ctx = mp.get_context("spawn")
+    tasks, events = ctx.Queue(), ctx.Queue()
+    for cell in todo:
+        tasks.put((cell.name, cell.config.to_dict(), overwrite))
+    for _ in range(workers):
+        tasks.put(None)  # one stop sign per worker; a replacement worker takes the one its dead predecessor left
+
+    def start() -> Any:
+        proc = ctx.Process(target=_worker, args=(tasks, events, threads), name="fedhet-cell", daemon=True)
+        proc.start()
+        return proc
+
+    cells = {c.name: c for c in todo}
+    running: dict[int, str] = {}  # worker pid -> the cell it started last
+    started: set[str] = set()
+    results: dict[str, CellResult] = {}
+
+    def handle(event: Event) -> None:
+        if event[0] == "start":
+            running[event[2]] = event[1]
+            started.add(event[1])
+        elif event[0] == "result":
+            results[event[1].name] = event[1]
+        display.handle(event)
+
+    def drain() -> None:
+        while True:
+            try:
+                handle(events.get_nowait())
+            except queue.Empty:
+                return
+
+    procs: list[Any] = []
+    try:
+        procs += [start() for _ in range(workers)]
+        next_check = 0.0
+        while len(results) < len(todo):
+            with suppress(queue.Empty):
+                handle(events.get(timeout=0.5))
+            if time.monotonic() < next_check:
+                continue
+            next_check = time.monotonic() + 0.5
+            for i, proc in enumerate(procs):
+                if proc.exitcode in (None, 0):
+                    continue
+                drain()  # what it sent before it died
+                name = running.pop(proc.pid, None)
+                if name is not None and name not in results:
+                    why = f"its worker process died ({_exit_reason(proc.exitcode)})"
+                    handle(("result", CellResult(name, cells[name].run_dir, "failed", error=why)))
+                procs[i] = start() if len(started) < len(todo) else _Gone()
+            if all(proc.exitcode is not None for proc in procs):  # a worker died between taking a cell and starting it
+                drain()
+                for cell in todo:
+                    if cell.name not in results:
+                        why = "not run: a worker process died before starting it"
+                        handle(("result", CellResult(cell.name, cell.run_dir, "failed", error=why)))
+    except BaseException:  # Ctrl-C (or a bug here): stop every worker now, mid-round; their checkpoints are whole
+        tasks.cancel_join_thread()  # cells still queued: do not wait at exit to push them to dead workers
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.join(10)
+            if proc.exitcode is None:
+                proc.kill()
+                proc.join()
+        raise
+    for proc in procs:
+        proc.join()
+    return [results[c.name] for c in todo]
+
+
+class _Gone:
+    """Stands in for a dead worker that was not replaced."""
+
+    exitcode = 0
+
+    def terminate(self) -> None:
+        pass
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}" + (", out of memory?" if name == "SIGKILL" else "")
+    return f"exit status {code}"
+
+
+# ---------------------------------------------------------------------------------------------- display
+
+
+class _Display:
+    """One rich Progress for every cell: a row per running cell and an overall row; messages print above it."""
+
+    def __init__(self, console: Console, total: int, done: int, enabled: bool) -> None:
+        self.console = console
+        self.progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(bar_width=24),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=console,
+            disable=not (enabled and console.is_terminal),  # a log file gets the per-cell lines only
+            transient=True,
+        )
+        self.overall = self.progress.add_task("[bold]cells", total=total, completed=done, info="")
+        self.rows: dict[str, Any] = {}  # running cell -> its progress row
+        self.info: dict[str, str] = {}  # running cell -> its last accuracy
+        self.failed = 0
+
+    def __enter__(self) -> _Display:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.progress.__exit__(*exc)
+
+    def note(self, text: str) -> None:
+        self.console.print(escape(text), highlight=False, soft_wrap=True)
+
+    def handle(self, event: Event) -> None:
+        kind, name = event[0], event[1] if event[0] != "result" else event[1].name
+        if kind == "start":
+            self.rows[name] = self.progress.add_task(escape(name), total=event[3], completed=0, info="loading")
+        elif kind == "round" and name in self.rows:
+            _, _, rnd, acc = event
+            if acc is not None:
+                self.info[name] = f"acc {100 * acc:.2f}%"
+            self.progress.update(self.rows[name], completed=rnd, info=self.info.get(name, ""))
+        elif kind == "log":
+            self.console.print(f"[yellow]{escape(name)}[/]: {escape(event[2])}", highlight=False, soft_wrap=True)
+        elif kind == "result":
+            self.finish(event[1])
+
+    def finish(self, result: CellResult) -> None:
+        if result.name in self.rows:
+            self.progress.remove_task(self.rows.pop(result.name))
+            self.info.pop(result.name, None)
+        name = escape(result.name)
+        if result.status == "failed":
+            self.failed += 1
+            self.console.print(f"[red]failed[/] {name}: {escape(result.error or '')}", highlight=False, soft_wrap=True)
+        else:
+            acc = result.final.get("test_acc")
+            text = f", test_acc={100 * acc:.2f}%" if acc is not None else ""
+            self.console.print(
+                f"[green]{result.status}[/] {name}: round {result.rounds_done}{text}", highlight=False, soft_wrap=True
+            )
+        info = f"[red]{self.failed} failed" if self.failed else ""
+        self.progress.update(self.overall, advance=1, info=info)
