@@ -44,6 +44,9 @@ class RunSection(_Strict):
     client_state_budget_mb: float = Field(2048.0, gt=0.0)
     # stop (with an error) after this many rounds in a row in which every client failed
     max_empty_rounds: int = Field(3, ge=1)
+    # how a phase's clients train: one after another, or several as one batched computation (engine/batched.py;
+    # same results to float rounding); "auto" batches only where docs/performance.md measured it to pay off
+    executor: Literal["auto", "sequential", "batched"] = "auto"
 
     @field_validator("name")
     @classmethod

@@ -26,6 +26,7 @@ from fedhet.algorithms.base import AlgoConfig
 from fedhet.config import Config
 from fedhet.data.augment import build_augment
 from fedhet.data.federated import FederatedDataset, federate
+from fedhet.engine.batched import BatchedExecutor, choose_executor
 from fedhet.engine.checkpoint import LAST, CheckpointError, load_latest, remove_temporaries, write_checkpoint
 from fedhet.engine.client import ClientRunner, Executor, LocalExecutor, derive_seed
 from fedhet.engine.evaluate import evaluate_global
@@ -96,7 +97,8 @@ def build_algorithm(cfg: Config, setup: Setup) -> Algorithm:
 
 
 # What a resumed run may change: how far it goes and how it reports, never what the rounds so far computed.
-RESUMABLE_CHANGES = ("run.rounds", "run.progress", "run.checkpoint_every", "run.max_empty_rounds")
+# run.executor changes only float rounding (a warning says the resumed run is then not bit-exact, as for threads).
+RESUMABLE_CHANGES = ("run.rounds", "run.progress", "run.checkpoint_every", "run.max_empty_rounds", "run.executor")
 # Where the run folder is: a moved or copied run folder stays resumable.
 LOCATION = ("run.out_dir", "run.name")
 
@@ -187,10 +189,17 @@ class Simulation:
         parts = build_training(cfg, self.fed)
         self.model, self.flat, self.setup, self.algo = parts.model, parts.flat, parts.setup, parts.algo
         store = build_state_store(cfg.run.client_state, self.run_dir / "client_state", cfg.run.client_state_budget_mb)
-        self.executor: Executor = executor or LocalExecutor(parts.runner, self.fed.clients, store)
+        self.executor: Executor = executor or self.build_executor(parts.runner, store)
         self.seen: set[int] = set()  # clients that have completed at least one round
         self.ema: float | None = None
         self.empty_streak = 0  # rounds in a row in which no client finished
+
+    def build_executor(self, runner: ClientRunner, store: Any) -> Executor:
+        """Sequential or batched clients, as ``run.executor`` and ``choose_executor`` decide."""
+        kind, why = choose_executor(self.cfg, runner)
+        if self.cfg.run.executor == "batched" and kind != "batched":
+            self.warn(f"{why}; its clients train one after another")
+        return (BatchedExecutor if kind == "batched" else LocalExecutor)(runner, self.fed.clients, store)
 
     # ------------------------------------------------------------------ sampling and clients
     def sample_clients(self, rnd: int) -> list[int]:
@@ -272,6 +281,7 @@ class Simulation:
             "empty_streak": self.empty_streak,
             "wall_s": wall,
             "torch_threads": torch.get_num_threads(),
+            "executor_kind": type(self.executor).__name__,
             "config": self.resolved,
         }
         bad = nonfinite(state["algo"])
@@ -311,6 +321,12 @@ class Simulation:
         self._saved_clients, self._rotate = state["executor"], loaded.path.name == LAST
         self._saved_round = state["round"]
         self.warn_thread_change(state.get("torch_threads"))
+        before = state.get("executor_kind")
+        if before is not None and before != type(self.executor).__name__:
+            self.warn(
+                f"this run trained with the {before} and resumes with the {type(self.executor).__name__}: their "
+                "results differ by float rounding, so it will not match an uninterrupted run bit for bit"
+            )
         return state["round"]
 
     def check_resumable(self, state: dict[str, Any]) -> None:
