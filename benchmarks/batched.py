@@ -27,6 +27,8 @@ from fedhet.engine.simulation import Simulation, build_federation
 MODELS = {
     "logreg": {"name": "logreg"},
     "mlp": {"name": "mlp"},  # 784-200-200-10, McMahan et al. 2017's 2NN
+    "mlp32": {"name": "mlp", "hidden": [32]},
+    "mlp64": {"name": "mlp", "hidden": [64]},
     "lenet5": {"name": "lenet5"},
     "convnet16": {"name": "convnet", "channels": [16, 32], "hidden": 0},  # FedRANE's CNNModel
     "cnn": {"name": "cnn"},
@@ -85,7 +87,7 @@ def measure_cell(sim: Simulation, rounds: int, repeats: int) -> dict[str, float]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--models", default="logreg,mlp,lenet5,convnet16,cnn", help=f"any of {', '.join(MODELS)}")
     ap.add_argument("--batch-sizes", default="16,64")
     ap.add_argument("--clients", default="5,10,20")
     ap.add_argument("--algorithm", default="fedavg")

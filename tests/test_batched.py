@@ -15,7 +15,13 @@ import json
 import pytest
 import torch
 
-from fedhet.engine.batched import BatchedExecutor, algorithm_unbatchable, choose_executor, model_unbatchable
+from fedhet.engine.batched import (
+    BatchedExecutor,
+    algorithm_unbatchable,
+    batching_pays_off,
+    choose_executor,
+    model_unbatchable,
+)
 from fedhet.engine.client import LocalExecutor
 from fedhet.engine.simulation import Simulation
 from fedhet.results.store import read_metrics
@@ -220,6 +226,29 @@ def test_choose_executor(tiny_config):
     sim = Simulation(tiny_config(run={"executor": "batched"}))
     assert choose_executor(sim.cfg, sim.executor.runner)[0] == "batched"
     assert type(sim.executor) is BatchedExecutor
+
+
+def test_auto_batches_only_where_it_was_measured_to_pay_off(tiny_config):
+    """docs/performance.md: fully connected models with params x batch size <= 1e6 and >= 20 clients per round."""
+    many = {"name": "dirichlet", "alpha": 0.5, "num_clients": 20, "min_size": 10}
+
+    def executor(run=None, train=None, **sections):
+        train = {"participation": 1.0, **(train or {})}
+        sim = Simulation(tiny_config(run=run or {}, partition=many, train=train, **sections))
+        kind = choose_executor(sim.cfg, sim.executor.runner)[0]
+        assert type(sim.executor) is {"batched": BatchedExecutor, "sequential": LocalExecutor}[kind]
+        return kind
+
+    assert executor() == "batched"  # MLP 64-32-10 (2410 parameters), batch 16, 20 clients
+    assert executor(model={"name": "logreg"}, train={"batch_size": 64}) == "batched"
+    assert executor(run={"executor": "sequential"}) == "sequential"
+    assert executor(train={"participation": 0.5}) == "sequential"  # 10 clients
+    assert executor(model={"name": "convnet", "channels": [8, 16], "hidden": 32}) == "sequential"
+    assert executor(model={"name": "mlp", "hidden": [200, 200]}, train={"batch_size": 64}) == "sequential"  # 3.5e6
+    sim = Simulation(tiny_config())
+    assert batching_pays_off(sim.flat, 16, 20, torch.device("cpu"))
+    assert not batching_pays_off(sim.flat, 16, 19, torch.device("cpu"))
+    assert not batching_pays_off(sim.flat, 16, 20, torch.device("cuda"))  # not measured: sequential under auto
 
 
 def test_personalised_metrics_agree(tiny_config):

@@ -399,11 +399,31 @@ class _Batch:
 
 
 # ---------------------------------------------------------------------- choosing the executor
-def expected_speedup(flat: FlatModel, batch_size: int, clients: int, device: torch.device) -> bool:
-    """Whether the batched executor is expected to be at least ~1.3x faster than the sequential one.
+# Where "auto" batches, from benchmarks/batched.py on one CPU thread (docs/performance.md, "Batched clients"): at
+# least ~1.3x faster than sequential only for fully connected models with parameters x batch size up to about 1e6
+# and 20 or more clients per round; slower for every convolutional model and for the 200k-parameter MLP, because on
+# CPU vmap saves per-operation overhead but not arithmetic.
+AUTO_MIN_CLIENTS = 20
+AUTO_MAX_WORK = 1_000_000  # parameters x batch size
 
-    Placeholder until measured (docs/performance.md, "Batched clients")."""
-    return False
+
+def fully_connected(model: nn.Module) -> bool:
+    """True when every layer with parameters is an ``nn.Linear``."""
+    return all(
+        isinstance(m, nn.Linear) for m in model.modules() if not list(m.children()) and list(m.parameters(False))
+    )
+
+
+def batching_pays_off(flat: FlatModel, batch_size: int, clients: int, device: torch.device) -> bool:
+    """Whether the batched executor was measured to be at least ~1.3x faster than the sequential one here.
+
+    Only CPU is measured; on other devices "auto" stays sequential (ask for ``run.executor = "batched"``)."""
+    return (
+        device.type == "cpu"
+        and clients >= AUTO_MIN_CLIENTS
+        and fully_connected(flat.model)
+        and flat.num_params * batch_size <= AUTO_MAX_WORK
+    )
 
 
 def choose_executor(cfg: Config, runner: ClientRunner) -> tuple[str, str]:
@@ -416,8 +436,6 @@ def choose_executor(cfg: Config, runner: ClientRunner) -> tuple[str, str]:
         return "sequential", f"the batched executor does not support this run: {reason}"
     if wanted == "batched":
         return "batched", "run.executor = batched"
-    device = runner.flat.params.device
-    k = cfg.clients_per_round()
-    if expected_speedup(runner.flat, cfg.train.batch_size, k, device):
+    if batching_pays_off(runner.flat, cfg.train.batch_size, cfg.clients_per_round(), runner.flat.params.device):
         return "batched", "auto: measured to pay off for this model, batch size and clients per round"
     return "sequential", "auto: the batched executor is not measured to pay off here"
