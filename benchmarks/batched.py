@@ -7,7 +7,7 @@ clients, and each round's phase is run by both executors on the same messages, i
 so machine noise (other jobs on the cores) affects both alike. Training only: no evaluation, no aggregation.
 
     python benchmarks/batched.py [--threads 1] [--models logreg,mlp,lenet5,convnet16,cnn] [--batch-sizes 16,64]
-                                 [--clients 5,10,20] [--rounds 3] [--repeats 3] [--json out.json]
+                                 [--clients 5,10,20] [--rounds 3] [--repeats 3] [--device cpu] [--json out.json]
 """
 
 from __future__ import annotations
@@ -35,10 +35,16 @@ MODELS = {
 }
 
 
-def make_config(model: str, batch_size: int, clients: int, algorithm: str, data_dir: str | None):
+def make_config(model: str, batch_size: int, clients: int, algorithm: str, data_dir: str | None, device: str = "cpu"):
     return build_config(
         {
-            "run": {"rounds": 1, "out_dir": "/tmp/fedhet-bench-batched", "progress": False, "executor": "sequential"},
+            "run": {
+                "rounds": 1,
+                "out_dir": "/tmp/fedhet-bench-batched",
+                "progress": False,
+                "executor": "sequential",
+                "device": device,
+            },
             "dataset": {"name": "fmnist", "data_dir": data_dir},
             "partition": {"name": "dirichlet", "alpha": 0.5, "num_clients": 500},
             "model": MODELS[model],
@@ -55,8 +61,11 @@ def make_config(model: str, batch_size: int, clients: int, algorithm: str, data_
 
 
 def time_phase(executor, rnd: int, msgs) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     start = time.perf_counter()
     executor.run_phase(rnd, 0, "train", msgs)
+    sync()
     return time.perf_counter() - start
 
 
@@ -94,20 +103,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     models = args.models.split(",")
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     counts = [int(k) for k in args.clients.split(",")]
-    fed = build_federation(make_config(models[0], sizes[0], counts[0], args.algorithm, args.data_dir))
+    fed = build_federation(make_config(models[0], sizes[0], counts[0], args.algorithm, args.data_dir, args.device))
     results = []
     print(f"{args.algorithm}, {args.threads} torch thread(s); seconds per round (sequential / batched) and ratio")
     print(f"{'model':<10} {'params':>8} {'B':>3} {'K':>3} {'seq s':>8} {'batched s':>9} {'ratio':>6}")
     for model in models:
         for b in sizes:
             for k in counts:
-                sim = Simulation(make_config(model, b, k, args.algorithm, args.data_dir), fed=fed)
+                sim = Simulation(make_config(model, b, k, args.algorithm, args.data_dir, args.device), fed=fed)
                 cell = measure_cell(sim, args.rounds, args.repeats)
                 cell.update(model=model, params=sim.flat.num_params, batch_size=b, clients=k, threads=args.threads)
                 results.append(cell)

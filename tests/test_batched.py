@@ -116,6 +116,34 @@ def test_replies_are_the_sequential_replies(tiny_config, model, train):
             torch.testing.assert_close(bat[cid].tensors[name], t, rtol=REL, atol=REL * float(t.abs().max()))
 
 
+def test_per_client_messages_and_unreadable_state(tiny_config):
+    """Messages with different learning rates train each row at its own rate; a client whose stored state cannot be
+    read, or whose before_local raises, is dropped like by the sequential executor, the others are unaffected."""
+    from fedhet.algorithms.base import Message
+
+    sim = Simulation(tiny_config(train=TRAIN, algorithm={"name": "fedprox", "mu": 0.1}))
+    runner, n = sim.executor.runner, sim.fed.num_clients
+    base = sim.algo.global_message(1)
+    msgs = {cid: Message(base.tensors, {**base.scalars, "lr": 0.02 * (cid + 1)}) for cid in range(n)}
+    real_get = sim.executor.store.get
+    sim.executor.store.get = lambda cid: (_ for _ in ()).throw(OSError("bad file")) if cid == 2 else real_get(cid)
+    real_before = sim.algo.before_local
+
+    def before_local(ctx):
+        if ctx.cid == 5:
+            raise ValueError("no")
+        real_before(ctx)
+
+    sim.algo.before_local = before_local
+    seq, f_seq = LocalExecutor(runner, sim.fed.clients, sim.executor.store).run_phase(1, 0, "train", msgs)
+    bat, f_bat = BatchedExecutor(runner, sim.fed.clients, sim.executor.store).run_phase(1, 0, "train", msgs)
+    assert [f["client"] for f in f_seq] == [f["client"] for f in f_bat] == [2, 5]
+    assert seq.keys() == bat.keys() == {0, 1, 3, 4}
+    for cid, reply in seq.items():
+        t = reply.tensors["params"]
+        torch.testing.assert_close(bat[cid].tensors["params"], t, rtol=REL, atol=REL * float(t.abs().max()))
+
+
 def test_kill_and_resume_is_bit_exact(tiny_config, kill_and_resume):
     algo = {"name": "scaffold"}
     full, resumed = kill_and_resume(
