@@ -306,7 +306,7 @@ class BatchedExecutor:
             except Exception as err:
                 drop(k, err)
 
-        loss_sums = torch.zeros(len(order), dtype=torch.float64, device=params.device)
+        step_losses: list[torch.Tensor] = []  # (m,) per step, read once at the end (no sync per step on a GPU)
         lrs = {c.ctx.lr for c in members if c.alive}  # a dropped client's row is discarded: its lr does not matter
         lr: float | torch.Tensor = next(iter(lrs), 0.0)
         if len(lrs) > 1:  # messages with different learning rates
@@ -348,7 +348,7 @@ class BatchedExecutor:
                 rows.sub_(d, alpha=lr)
             else:
                 rows.sub_(d * lr[:m])
-            loss_sums[:m] += losses.to(torch.float64)
+            step_losses.append(losses)
             for k in range(m):
                 client = members[k]
                 if client.alive:
@@ -359,14 +359,19 @@ class BatchedExecutor:
                         except Exception as err:
                             drop(k, err)
 
+        totals = [0.0] * len(order)  # the sequential loop's Python float sum of the same float32 losses
+        values, pos = torch.cat(step_losses).tolist(), 0
+        for m in active:
+            for k in range(m):
+                totals[k] += values[pos + k]
+            pos += m
         replies: dict[int, Reply] = {}
-        totals = loss_sums.tolist()
         for cid in contexts:
             client = members[row[cid]]
             if not client.alive:
                 continue
             ctx = client.ctx
-            ctx.loss_sum = totals[row[cid]]  # the sequential loop's float sum of the same float32 losses
+            ctx.loss_sum = totals[row[cid]]
             try:
                 reply = algo.after_local(ctx)
                 check_finite(reply, ctx.state)
