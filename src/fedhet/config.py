@@ -50,6 +50,9 @@ class RunSection(_Strict):
     workers: int = Field(0, ge=0)
     # personalised accuracy is measured on at most this many clients (a seeded sample, logged); None = all
     personal_eval_clients: int | None = Field(1000, ge=1)
+    # how a phase's clients train: one after another, or several as one batched computation (engine/batched.py;
+    # same results to float rounding); "auto" batches only where docs/performance.md measured it to pay off
+    executor: Literal["auto", "sequential", "batched"] = "auto"
 
     @field_validator("name")
     @classmethod

@@ -195,6 +195,14 @@ class Algorithm:
         self.server_opt.load_state_dict(state["server_opt"])
 
     # ----------------------------------------------------------------- client side
+    # True: several clients of a phase may be trained as one batched computation (engine/batched.py). A class
+    # declares it only if it keeps the default ``local_loss`` and ``client_update`` and its hooks use nothing but
+    # the flat vectors (``ctx.flat.params`` / ``grad`` / ``get_params`` / ``set_params``), ``ctx.message``,
+    # ``ctx.state``, ``ctx.scratch``, ``ctx.data``, ``ctx.lr``, ``ctx.steps`` and ``ctx.generator``: never
+    # ``ctx.model``, the global RNG or ``ctx.scratch["optimizer"]``; ``ctx.loss_sum`` is filled in only before
+    # ``after_local``. Each hook then runs on its client's row of the stacked parameters. Not inherited: a subclass
+    # that changes the loss (FedLC, MOON, ...) is sequential unless it declares it too.
+    batchable: ClassVar[bool] = False
     personalized: ClassVar[bool] = False  # True: the engine reports personalised accuracy via ``personalize``
     # Key prefix of the personalised metrics ({prefix}_acc_micro, ...). An algorithm whose personalisation breaks
     # the protocol (FedBC-FineTune fine-tuned on test data) returns a different one, so its numbers stay marked.

@@ -19,6 +19,7 @@ class FedAvgConfig(AlgoConfig):
 class FedAvg(Algorithm):
     name = "fedavg"
     Config = FedAvgConfig
+    batchable = True  # default loss, hooks on the flat vectors only (engine/batched.py)
 
     def aggregation_weights(self, replies: dict[int, Reply]) -> list[float]:
         if getattr(self.config, "weighting", "samples") == "uniform":

@@ -75,6 +75,7 @@ class FedBCConfig(AlgoConfig):
 class FedBC(Algorithm):
     name = "fedbc"
     Config = FedBCConfig
+    batchable = True  # default loss, hooks on the flat vectors only (engine/batched.py)
     personalized = True
 
     def __init__(self, config: FedBCConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:

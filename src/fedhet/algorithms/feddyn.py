@@ -53,6 +53,7 @@ class FedDynConfig(AlgoConfig):
 class FedDyn(Algorithm):
     name = "feddyn"
     Config = FedDynConfig
+    batchable = True  # default loss, hooks on the flat vectors only (engine/batched.py)
 
     def __init__(self, config: FedDynConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
         super().__init__(config, setup, server_opt)

@@ -65,6 +65,7 @@ def normaliser(steps: int, momentum: float = 0.0, nesterov: bool = False, eta_mu
 class FedNova(Algorithm):
     name = "fednova"
     Config = FedNovaConfig
+    batchable = True  # default loss, hooks on the flat vectors only (engine/batched.py)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -18,6 +18,7 @@ class FedProxConfig(FedAvgConfig):
 class FedProx(FedAvg):
     name = "fedprox"
     Config = FedProxConfig
+    batchable = True  # default loss, hooks on the flat vectors only (engine/batched.py)
 
     def after_backward(self, ctx: ClientContext) -> None:
         # The gradient of mu/2 ||w - w_g||^2 is exact and cheap on the flat vectors; no autograd needed.

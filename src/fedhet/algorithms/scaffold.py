@@ -52,6 +52,7 @@ class ScaffoldConfig(AlgoConfig):
 class Scaffold(Algorithm):
     name = "scaffold"
     Config = ScaffoldConfig
+    batchable = True  # default loss, hooks on the flat vectors only (engine/batched.py)
 
     # ----------------------------------------------------------------- server side
     def init_server(self, params: torch.Tensor, buffers: torch.Tensor) -> None:

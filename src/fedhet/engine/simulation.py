@@ -27,6 +27,7 @@ from fedhet.algorithms.base import AlgoConfig
 from fedhet.config import Config
 from fedhet.data.augment import build_augment
 from fedhet.data.federated import FederatedDataset, federate
+from fedhet.engine.batched import BatchedExecutor, choose_executor
 from fedhet.engine.checkpoint import LAST, CheckpointError, load_latest, remove_temporaries, write_checkpoint
 from fedhet.engine.client import ClientRunner, Executor, LocalExecutor, derive_seed
 from fedhet.engine.evaluate import evaluate_global
@@ -97,7 +98,16 @@ def build_algorithm(cfg: Config, setup: Setup) -> Algorithm:
 
 
 # What a resumed run may change: how far it goes and how it reports, never what the rounds so far computed.
-RESUMABLE_CHANGES = ("run.rounds", "run.progress", "run.checkpoint_every", "run.max_empty_rounds", "run.workers")
+# run.executor and run.workers change only float rounding (a resume under another thread count or executor warns that
+# the run is then not bit-exact).
+RESUMABLE_CHANGES = (
+    "run.rounds",
+    "run.progress",
+    "run.checkpoint_every",
+    "run.max_empty_rounds",
+    "run.workers",
+    "run.executor",
+)
 # Where the run folder is: a moved or copied run folder stays resumable.
 LOCATION = ("run.out_dir", "run.name")
 
@@ -206,12 +216,29 @@ class Simulation:
         self.model, self.flat, self.setup, self.algo = parts.model, parts.flat, parts.setup, parts.algo
         store = build_state_store(cfg.run.client_state, self.run_dir / "client_state", cfg.run.client_state_budget_mb)
         self.workers = 1 if executor is not None else resolve_workers(cfg)
-        self.executor: Executor = executor or self.local_executor(parts.runner, store)
+        self.executor: Executor = executor or self.build_executor(parts.runner, store)
         # the intra-op threads a client trains with: they decide the last bits (provenance.json, checkpoints)
         self.client_threads = 1 if self.workers > 1 else torch.get_num_threads()
         self.seen: set[int] = set()  # clients that have completed at least one round
         self.ema: float | None = None
         self.empty_streak = 0  # rounds in a row in which no client finished
+
+    def build_executor(self, runner: ClientRunner, store: Any) -> Executor:
+        """Batched clients, worker processes or one client after another, as ``run.executor`` and ``run.workers``
+        decide. Batching runs in this process: asked for, it wins over workers; chosen automatically, only where no
+        workers would run (on two cores or more, workers are the faster way: docs/performance.md)."""
+        kind, why = choose_executor(self.cfg, runner)
+        if self.cfg.run.executor == "batched" and kind != "batched":
+            self.warn(f"{why}; its clients train one after another")
+        if kind == "batched" and (self.cfg.run.executor == "batched" or self.workers == 1):
+            self.workers = 1
+            return BatchedExecutor(runner, self.fed.clients, store)
+        return self.local_executor(runner, store)
+
+    @property
+    def executor_kind(self) -> str:
+        """ "batched" or "sequential" (in-process, worker processes and Flower clients give the same bits)."""
+        return "batched" if isinstance(self.executor, BatchedExecutor) else "sequential"
 
     def local_executor(self, runner: ClientRunner, store) -> Executor:
         from fedhet.engine.workers import ProcessExecutor, shared_memory_short
@@ -317,6 +344,7 @@ class Simulation:
             "empty_streak": self.empty_streak,
             "wall_s": wall,
             "torch_threads": self.client_threads,
+            "executor_kind": self.executor_kind,
             "config": self.resolved,
         }
         bad = nonfinite(state["algo"])
@@ -356,6 +384,12 @@ class Simulation:
         self._saved_clients, self._rotate = state["executor"], loaded.path.name == LAST
         self._saved_round = state["round"]
         self.warn_thread_change(state.get("torch_threads"))
+        before = state.get("executor_kind")
+        if before is not None and before != self.executor_kind:
+            self.warn(
+                f"this run's clients trained {before} and now train {self.executor_kind}: the results differ by "
+                "float rounding, so it will not match an uninterrupted run bit for bit"
+            )
         return state["round"]
 
     def check_resumable(self, state: dict[str, Any]) -> None:

@@ -1,0 +1,464 @@
+"""Train the clients of a phase together: stacked parameters, one vmapped forward/backward per local step.
+
+``BatchedExecutor`` is an ``Executor`` (same state store, same failure semantics as ``LocalExecutor``) that runs
+the local loop of ``engine.local.train_locally`` for K clients at once:
+
+* The K parameter vectors are the rows of one (K, P) tensor in the engine's flat layout; client k's row is its
+  ``ctx.flat.params`` (and a (K, P) gradient tensor its ``ctx.flat.grad``), so every flat-vector hook of the
+  algorithm runs unchanged on that client's row, and the reply's ``params`` is the row itself.
+* The loss gradient of every client is one ``torch.func.vmap`` of ``grad_and_value`` of ``functional_call`` of the
+  shared model: the same function as the sequential loop's ``F.cross_entropy(model(x), y)``, evaluated with the
+  per-client weights batched (linear layers become batched matmuls, convolutions grouped convolutions). When fewer
+  than ``vmap_from`` (3) clients are still training, their gradients are computed one by one through the shared
+  model, exactly as in the sequential loop, since vmap's fixed cost per call exceeds a small model's step.
+* Batch order and augmentation come from each client's own generator, derived by ``ClientRunner.context`` from
+  (seed, round, client, phase) and consumed in the same order as in the sequential loop, so every client sees
+  exactly the batches it would see alone. A batch shorter than ``train.batch_size`` (the last one of a pass) is
+  padded with masked rows that contribute exactly zero to the loss and its gradient.
+* Clients with fewer steps (less data) simply stop: rows are ordered by step count, so the clients still training
+  at any step are a prefix of the rows and a finished client's row is never touched again.
+* The optimiser is ``FlatSGD``'s update (momentum, Nesterov, weight decay, buffer fresh each round) on the active
+  rows; ``train.grad_clip`` clips each client's own gradient norm, after the algorithm's gradient terms.
+
+Exactness: every per-client operation is the sequential one on the client's row, so a client's result differs
+from the sequential one only by the float rounding of the batched forward/backward (vmapped matmuls and
+convolutions sum in another order): measured, about 1e-7 of the largest parameter after 3 rounds, often bit-identical
+for small fully connected models (tests/test_batched.py asserts 1e-5). Through ReLU and max-pooling such a difference
+can later flip which input a gradient flows to, exactly as a one-ulp change of the start does in a sequential run,
+so long runs of conv nets agree statistically, not digit for digit. A batched run is deterministic (for the same
+clients of a round and the same ``max_group``) and resumes bit for bit.
+
+Clients are trained in groups of at most ``max_group`` (32), formed in order of step count, which bounds memory
+(K x P parameters, gradients and momentum, and K times the activations of one step).
+
+What it supports, checked before every phase (otherwise the phase runs sequentially, same results):
+
+* algorithms whose class declares ``batchable = True`` (see ``Algorithm.batchable``): the default loss and hooks
+  that touch only the flat vectors, the client's state and scratch, never ``ctx.model``;
+* models without floating buffers (BatchNorm running statistics), active dropout (its random stream cannot match
+  the sequential one under vmap) or recurrent layers.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad_and_value, vmap
+
+from fedhet.algorithms.base import Algorithm, ClientContext, ClientData, Message, Reply
+from fedhet.engine.client import ClientRunner, LocalExecutor, check_finite, failure_record
+from fedhet.engine.flat import FlatModel
+from fedhet.engine.local import batch_indices, num_local_steps
+from fedhet.engine.state import MemoryStateStore
+
+if TYPE_CHECKING:
+    from fedhet.config import Config
+
+# The hooks a batchable algorithm may override; the loss and the loop itself must be the base ones.
+_REPLACED = ("client_update", "local_loss")
+
+
+def _overrides(algo: Algorithm, hook: str) -> bool:
+    return getattr(type(algo), hook) is not getattr(Algorithm, hook) or hook in vars(algo)
+
+
+def algorithm_unbatchable(algo: Algorithm) -> str | None:
+    """Why ``algo``'s client update cannot be batched, or None when it can.
+
+    The declaration is not inherited: a subclass (FedLC, MOON, ... of FedAvg) changes the loss and must declare
+    ``batchable = True`` itself."""
+    cls = type(algo)
+    if not cls.__dict__.get("batchable", False):
+        return f"algorithm {cls.name!r} does not declare batchable"
+    for hook in _REPLACED:
+        if _overrides(algo, hook):
+            return f"algorithm {cls.name!r} overrides {hook}"
+    return None
+
+
+def model_unbatchable(flat: FlatModel) -> str | None:
+    """Why the model cannot be trained under vmap to the sequential loop's results, or None when it can."""
+    if flat.buffers.numel():
+        return "the model has buffers (BatchNorm running statistics)"
+    for name, module in flat.model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return f"the model has active dropout ({name}): its random stream cannot match the sequential one"
+        if isinstance(module, nn.RNNBase):
+            return f"the model has a recurrent layer ({name})"
+    return None
+
+
+class RowFlat:
+    """One client's row of the stacked parameters, with ``FlatModel``'s interface for the algorithm's hooks."""
+
+    def __init__(self, flat: FlatModel, params: torch.Tensor, grad: torch.Tensor) -> None:
+        self.model = flat.model
+        self._flat = flat
+        self.params = params
+        self.grad = grad
+        self.buffers = flat.buffers  # empty: models with buffers are not batched
+
+    @property
+    def num_params(self) -> int:
+        return self.params.numel()
+
+    def get_params(self) -> torch.Tensor:
+        return self.params.clone()
+
+    def set_params(self, vec: torch.Tensor) -> None:
+        self.params.copy_(vec)
+
+    def get_buffers(self) -> torch.Tensor:
+        return self.buffers.clone()
+
+    def set_buffers(self, vec: torch.Tensor) -> None:
+        if vec.numel():
+            raise ValueError("batched clients have no buffers")
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+
+    def slices(self) -> dict[str, slice]:
+        return self._flat.slices()
+
+
+class _SharedFailure(Exception):
+    """The batched forward/backward itself failed (not one client's hook): the group runs sequentially instead."""
+
+
+class _Client:
+    """One client of a group: its context, its step count, its batch stream and whether it is still in the round."""
+
+    def __init__(self, ctx: ClientContext, total: int) -> None:
+        self.ctx = ctx
+        self.total = total
+        self.batches: Iterator[torch.Tensor] | None = None
+        self.alive = True
+
+
+class BatchedExecutor:
+    """Runs the clients of a phase as batched computations of at most ``max_group`` clients each.
+
+    The state store, ``personal_accuracies`` and the checkpointed state are those of the sequential
+    ``LocalExecutor`` it holds (``self.sequential``), which also runs any phase the batched path does not support.
+    """
+
+    def __init__(
+        self,
+        runner: ClientRunner,
+        clients: list[ClientData],
+        store: MemoryStateStore | None = None,
+        max_group: int = 32,
+        vmap_from: int = 3,
+    ) -> None:
+        self.sequential = LocalExecutor(runner, clients, store)
+        self.runner = runner
+        self.clients = clients
+        self.store = self.sequential.store
+        self.max_group = max_group
+        self.vmap_from = vmap_from
+        self._layout = [(name, p.shape, p.numel()) for name, p in runner.model.named_parameters() if p.requires_grad]
+        self._grad_fn = vmap(grad_and_value(self._client_loss))
+        self.last_phase_batched = False  # for tests and benchmarks: did the last phase take the batched path
+
+    # ------------------------------------------------------------------ Executor protocol
+    def unsupported(self) -> str | None:
+        return algorithm_unbatchable(self.runner.algo) or model_unbatchable(self.runner.flat)
+
+    def run_phase(
+        self, rnd: int, phase_idx: int, phase: str, msgs: dict[int, Message]
+    ) -> tuple[dict[int, Reply], list[dict[str, Any]]]:
+        self.last_phase_batched = self.unsupported() is None
+        if not self.last_phase_batched:
+            return self.sequential.run_phase(rnd, phase_idx, phase, msgs)
+        t = self.runner.train
+        steps = {
+            cid: num_local_steps(len(self.clients[cid]), t.batch_size, t.local_epochs, t.local_steps) for cid in msgs
+        }
+        # Rows by decreasing step count, so the clients still training at any step are a prefix of the rows.
+        ordered = sorted(msgs, key=lambda cid: (-steps[cid], cid))
+        replies: dict[int, Reply] = {}
+        failures: list[dict[str, Any]] = []
+        for start in range(0, len(ordered), self.max_group):
+            group = set(ordered[start : start + self.max_group])
+            group_msgs = {cid: msg for cid, msg in msgs.items() if cid in group}
+            try:
+                r, f = self._run_group(rnd, phase_idx, phase, group_msgs, steps)
+            except _SharedFailure as err:
+                warnings.warn(
+                    f"round {rnd} ({phase}): the batched computation failed ({err.__cause__!r}); "
+                    "these clients run one after another instead",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                r, f = self.sequential.run_phase(rnd, phase_idx, phase, group_msgs)
+            replies.update(r)
+            failures.extend(f)
+        position = {cid: i for i, cid in enumerate(msgs)}
+        failures.sort(key=lambda rec: position[rec["client"]])  # the sequential executor's order
+        return replies, failures
+
+    def personal_accuracies(
+        self, rnd: int, cids: list[int], msg: Message, batch_size: int
+    ) -> dict[int, tuple[int, int]]:
+        return self.sequential.personal_accuracies(rnd, cids, msg, batch_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.sequential.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sequential.load_state_dict(state)
+
+    def reset(self) -> None:
+        self.sequential.reset()
+
+    def retain(self, states: list[dict[str, Any]]) -> None:
+        self.sequential.retain(states)
+
+    def close(self) -> None:
+        self.sequential.close()
+
+    # ------------------------------------------------------------------ the batched loop
+    def _client_loss(
+        self, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, count: torch.Tensor
+    ) -> torch.Tensor:
+        """One client's mean cross-entropy over the unmasked rows of its batch (vmapped over clients).
+
+        With mask 1 and count B this is ``F.cross_entropy(model(x), y)``, forward and backward: the backward gives
+        each sample exactly 1/B as the mean's does, and -log_softmax picked at the label is what nll_loss computes
+        (written with gather, which vmaps without nll_loss's decomposition). Masked rows contribute exactly zero."""
+        logits = functional_call(self.runner.model, params, (x,))
+        nll = -logits.log_softmax(-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+        return (nll * mask).sum() / count
+
+    def _gradients(self, rows: torch.Tensor, grad_rows: torch.Tensor, batch: _Batch, m: int) -> torch.Tensor:
+        """The loss gradient of each of the m active rows into ``grad_rows``; returns their (m,) losses.
+
+        Fewer than ``vmap_from`` rows go one by one through the shared model, exactly as in the sequential loop
+        (vmap's fixed cost per call exceeds a small model's step); more go through one vmapped call."""
+        x, y = batch.x[:m], batch.y[:m]
+        if m < self.vmap_from:
+            flat, model, losses = self.runner.flat, self.runner.model, []
+            for k in range(m):
+                b = batch.lengths[k]
+                flat.set_params(rows[k])
+                flat.zero_grad()
+                if b:
+                    loss = F.cross_entropy(model(x[k, :b]), y[k, :b])
+                    loss.backward()
+                    losses.append(loss.detach())
+                else:  # a dropped client's row: no gradient
+                    losses.append(rows.new_zeros(()))
+                grad_rows[k].copy_(flat.grad)
+            return torch.stack(losses)
+        grads, losses = self._grad_fn(self._param_views(rows), x, y, batch.mask[:m], batch.count[:m])
+        torch.cat([grads[name].reshape(m, -1) for name, _, _ in self._layout], dim=1, out=grad_rows)
+        return losses.detach()
+
+    def _param_views(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, offset, m = {}, 0, rows.shape[0]
+        for name, shape, n in self._layout:
+            out[name] = rows[:, offset : offset + n].view(m, *shape)
+            offset += n
+        return out
+
+    def _run_group(
+        self, rnd: int, phase_idx: int, phase: str, msgs: dict[int, Message], steps: dict[int, int]
+    ) -> tuple[dict[int, Reply], list[dict[str, Any]]]:
+        runner, algo, t = self.runner, self.runner.algo, self.runner.train
+        flat = runner.flat
+        failures: list[dict[str, Any]] = []
+        runner.model.train()
+        # Contexts in message order (each reseeds the global RNG, which then ends as the sequential executor's does).
+        contexts: dict[int, ClientContext] = {}
+        for cid, msg in msgs.items():
+            try:
+                contexts[cid] = runner.context(cid, rnd, phase_idx, phase, msg, self.clients[cid], self.store.get(cid))
+            except Exception as err:  # e.g. its stored state is unreadable: dropped, as by the sequential executor
+                failures.append(failure_record(rnd, phase, cid, err))
+        if not contexts:
+            return {}, failures
+        order = sorted(contexts, key=lambda cid: (-steps[cid], cid))
+        row = {cid: k for k, cid in enumerate(order)}
+        params = flat.params.new_zeros(len(order), flat.num_params)
+        grads = torch.zeros_like(params)
+        members: list[_Client] = []
+
+        def drop(k: int, err: BaseException) -> None:  # call inside the except block (the record takes the trace)
+            members[k].alive = False
+            batch.clear(k)
+            failures.append(failure_record(rnd, phase, members[k].ctx.cid, err))
+
+        for k, cid in enumerate(order):
+            ctx = contexts[cid]
+            ctx.flat = RowFlat(flat, params[k], grads[k])
+            members.append(_Client(ctx, steps[cid]))
+        batch = _Batch(members[0].ctx.data, len(order), t.batch_size, params)
+        for k, client in enumerate(members):
+            ctx = client.ctx
+            try:
+                ctx.flat.set_params(ctx.message.tensors["params"])
+                ctx.lr = float(ctx.message.scalars.get("lr", t.lr))
+                algo.before_local(ctx)
+                client.batches = batch_indices(len(ctx.data), t.batch_size, client.total, ctx.generator)
+            except Exception as err:
+                drop(k, err)
+
+        step_losses: list[torch.Tensor] = []  # (m,) per step, read once at the end (no sync per step on a GPU)
+        lrs = {c.ctx.lr for c in members if c.alive}  # a dropped client's row is discarded: its lr does not matter
+        lr: float | torch.Tensor = next(iter(lrs), 0.0)
+        if len(lrs) > 1:  # messages with different learning rates
+            lr = params.new_tensor([c.ctx.lr for c in members])[:, None]
+        has_after_backward, has_after_step = _overrides(algo, "after_backward"), _overrides(algo, "after_step")
+        active = [sum(1 for c in members if c.total > step) for step in range(members[0].total)]
+        momentum_buf: torch.Tensor | None = None
+        for m in active:  # m: the clients still training are rows 0..m-1 (sorted by step count)
+            for k in range(m):
+                if members[k].alive:
+                    try:
+                        batch.load(k, members[k].ctx, next(members[k].batches))
+                    except Exception as err:
+                        drop(k, err)
+            rows, grad_rows = params[:m], grads[:m]
+            try:
+                losses = self._gradients(rows, grad_rows, batch, m)
+            except Exception as err:
+                raise _SharedFailure(str(err)) from err
+            if has_after_backward:
+                for k in range(m):
+                    if members[k].alive:
+                        try:
+                            algo.after_backward(members[k].ctx)
+                        except Exception as err:
+                            drop(k, err)
+            if t.grad_clip is not None:  # clip_grad_norm on each row
+                norms = torch.linalg.vector_norm(grad_rows, dim=1, keepdim=True)
+                grad_rows.mul_(torch.where(norms > t.grad_clip, t.grad_clip / (norms + 1e-6), torch.ones_like(norms)))
+            # FlatSGD.direction and step, on the active rows
+            d = grad_rows.add(rows, alpha=t.weight_decay) if t.weight_decay else grad_rows
+            if t.momentum:
+                if momentum_buf is None:
+                    momentum_buf = d.clone()  # the first step, which every client takes
+                else:
+                    momentum_buf[:m].mul_(t.momentum).add_(d)
+                d = d.add(momentum_buf[:m], alpha=t.momentum) if t.nesterov else momentum_buf[:m]
+            if isinstance(lr, float):
+                rows.sub_(d, alpha=lr)
+            else:
+                rows.sub_(d * lr[:m])
+            step_losses.append(losses)
+            for k in range(m):
+                client = members[k]
+                if client.alive:
+                    client.ctx.steps += 1
+                    if has_after_step:
+                        try:
+                            algo.after_step(client.ctx)
+                        except Exception as err:
+                            drop(k, err)
+
+        totals = [0.0] * len(order)  # the sequential loop's Python float sum of the same float32 losses
+        values, pos = torch.cat(step_losses).tolist(), 0
+        for m in active:
+            for k in range(m):
+                totals[k] += values[pos + k]
+            pos += m
+        replies: dict[int, Reply] = {}
+        for cid in contexts:
+            client = members[row[cid]]
+            if not client.alive:
+                continue
+            ctx = client.ctx
+            ctx.loss_sum = totals[row[cid]]
+            try:
+                reply = algo.after_local(ctx)
+                check_finite(reply, ctx.state)
+            except Exception as err:
+                failures.append(failure_record(rnd, phase, cid, err))
+                continue
+            self.store.put(cid, ctx.state)
+            replies[cid] = reply
+        return replies, failures
+
+
+class _Batch:
+    """Row k holds client k's current mini-batch, padded to the batch size with masked samples."""
+
+    def __init__(self, data: ClientData, rows: int, batch_size: int, like: torch.Tensor) -> None:
+        device = like.device
+        self.x = torch.zeros(rows, batch_size, *data.x.shape[1:], dtype=data.x.dtype, device=device)
+        self.y = torch.zeros(rows, batch_size, dtype=data.y.dtype, device=device)
+        self.mask = torch.ones(rows, batch_size, dtype=like.dtype, device=device)
+        self.count = torch.full((rows,), float(batch_size), dtype=like.dtype, device=device)
+        self.lengths = [batch_size] * rows
+
+    def load(self, k: int, ctx: ClientContext, idx: torch.Tensor) -> None:
+        """The client's batch ``idx``, augmented with its own generator as the sequential loop does, into row k."""
+        b, data = len(idx), ctx.data
+        x_row = self.x[k, :b]
+        if ctx.augment is None and data.x.device == x_row.device:
+            torch.index_select(data.x, 0, idx.to(data.x.device), out=x_row)
+        else:
+            x = data.x[idx]
+            x_row.copy_(x if ctx.augment is None else ctx.augment(x, ctx.generator))
+        self.y[k, :b] = data.y[idx]
+        self.set_length(k, b)
+
+    def clear(self, k: int) -> None:
+        """A dropped client's row trains on nothing from now on (its results are discarded)."""
+        self.set_length(k, 0)
+
+    def set_length(self, k: int, b: int) -> None:
+        if b != self.lengths[k]:
+            self.mask[k, :b] = 1.0
+            self.mask[k, b:] = 0.0
+            self.count[k] = float(max(b, 1))
+            self.lengths[k] = b
+
+
+# ---------------------------------------------------------------------- choosing the executor
+# Where "auto" batches, from benchmarks/batched.py on one CPU thread (docs/performance.md, "Batched clients"): at
+# least ~1.3x faster than sequential only for fully connected models with parameters x batch size up to about 1e6
+# and 20 or more clients per round; slower for every convolutional model and for the 200k-parameter MLP, because on
+# CPU vmap saves per-operation overhead but not arithmetic.
+AUTO_MIN_CLIENTS = 20
+AUTO_MAX_WORK = 1_000_000  # parameters x batch size
+
+
+def fully_connected(model: nn.Module) -> bool:
+    """True when every layer with parameters is an ``nn.Linear``."""
+    return all(
+        isinstance(m, nn.Linear) for m in model.modules() if not list(m.children()) and list(m.parameters(False))
+    )
+
+
+def batching_pays_off(flat: FlatModel, batch_size: int, clients: int, device: torch.device) -> bool:
+    """Whether the batched executor was measured to be at least ~1.3x faster than the sequential one here.
+
+    Only CPU is measured; on other devices "auto" stays sequential (ask for ``run.executor = "batched"``)."""
+    return (
+        device.type == "cpu"
+        and clients >= AUTO_MIN_CLIENTS
+        and fully_connected(flat.model)
+        and flat.num_params * batch_size <= AUTO_MAX_WORK
+    )
+
+
+def choose_executor(cfg: Config, runner: ClientRunner) -> tuple[str, str]:
+    """("batched" | "sequential", why) for ``run.executor`` and what this run trains."""
+    wanted = cfg.run.executor
+    if wanted == "sequential":
+        return "sequential", "run.executor = sequential"
+    reason = algorithm_unbatchable(runner.algo) or model_unbatchable(runner.flat)
+    if reason is not None:
+        return "sequential", f"the batched executor does not support this run: {reason}"
+    if wanted == "batched":
+        return "batched", "run.executor = batched"
+    if batching_pays_off(runner.flat, cfg.train.batch_size, cfg.clients_per_round(), runner.flat.params.device):
+        return "batched", "auto: measured to pay off for this model, batch size and clients per round"
+    return "sequential", "auto: the batched executor is not measured to pay off here"
