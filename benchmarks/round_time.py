@@ -25,7 +25,13 @@ from fedhet.engine.simulation import Simulation, build_federation
 def make_config(args: argparse.Namespace):
     return build_config(
         {
-            "run": {"rounds": args.rounds, "out_dir": "/tmp/fedhet-bench", "progress": False, "eval_every": 10**6},
+            "run": {
+                "rounds": args.rounds,
+                "out_dir": "/tmp/fedhet-bench",
+                "progress": False,
+                "eval_every": 10**6,
+                "workers": 1,
+            },
             "dataset": {"name": "fmnist"},
             "partition": {"name": "dirichlet", "alpha": 0.5, "num_clients": 100},
             "model": {"name": args.model},

@@ -35,6 +35,7 @@ from fedhet.engine.local import batch_indices, num_local_steps  # noqa: E402
 from fedhet.engine.simulation import Simulation, build_federation  # noqa: E402
 
 OUT = Path(tempfile.gettempdir()) / "fedhet-throughput"
+FLOOR = f"floor (bare torch, 1 process, {torch.get_num_threads()} threads)"
 LR, MOMENTUM, BATCH = 0.05, 0.9, 64
 
 
@@ -55,7 +56,16 @@ def job(name: str, rounds: int, clients: int = 100, per_round: int = 10, algorit
     }
 
 
-def floor_round(sim: Simulation, cids: list[int], rnd: int) -> float:
+def floor_round(sim: Simulation, cids: list[int], rnd: int, threads: int | None = None) -> float:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        return _floor_round(sim, cids, rnd)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _floor_round(sim: Simulation, cids: list[int], rnd: int) -> float:
     model = sim.setup.build_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     start = time.perf_counter()
@@ -87,10 +97,11 @@ def interleaved(rounds: int) -> dict[str, list[float]]:
     for sim in runners.values():
         sim.prepare_dir(resume=False, overwrite=True)
     floor_sim = runners["fedhet in-process"]
-    times: dict[str, list[float]] = {"floor (bare torch, 1 process)": [], **{k: [] for k in runners}}
+    times: dict[str, list[float]] = {FLOOR: [], "floor, 1 thread": [], **{k: [] for k in runners}}
     for rnd in range(1, rounds + 1):
         cids = floor_sim.sample_clients(rnd)
-        times["floor (bare torch, 1 process)"].append(floor_round(floor_sim, cids, rnd))
+        times[FLOOR].append(floor_round(floor_sim, cids, rnd))
+        times["floor, 1 thread"].append(floor_round(floor_sim, cids, rnd, threads=1))
         for label, sim in runners.items():
             times[label].append(fedhet_round(sim, cids, rnd))
         print(f"round {rnd}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in times.items()), flush=True)
@@ -218,7 +229,7 @@ def main() -> None:
     if not args.no_flower:
         times["Flower 1.41 Ray simulation, plain ClientApp, 2 workers"] = flower_plain(args.rounds)
     median = {k: statistics.median(v[1:]) for k, v in times.items()}
-    floor = median["floor (bare torch, 1 process)"]
+    floor = median[FLOOR]
     flower = next((v for k, v in median.items() if k.startswith("Flower")), None)
     print("\n| runner | s/round (median of rounds 2+) | vs floor | Flower / this |\n|---|---:|---:|---:|")
     for k, v in median.items():

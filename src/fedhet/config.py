@@ -45,7 +45,7 @@ class RunSection(_Strict):
     client_state_budget_mb: float = Field(2048.0, gt=0.0)
     # stop (with an error) after this many rounds in a row in which every client failed
     max_empty_rounds: int = Field(3, ge=1)
-    # processes that train a round's clients (one thread each); 0 = auto: one per core, on a CPU with >= 2 cores and
+    # processes that train a round's clients (one thread each); 0 = auto: one per core on a CPU with >= 4 cores and
     # >= 2 clients per round, else 1 (in-process). Any count >= 2 gives the same bits as 1 worker with 1 thread.
     workers: int = Field(0, ge=0)
     # personalised accuracy is measured on at most this many clients (a seeded sample, logged); None = all

@@ -178,16 +178,21 @@ def nonfinite(tree: Any, prefix: str = "") -> list[str]:
     return []
 
 
+# Below this many cores, auto keeps clients in this process: on 2 cores, torch's two intra-op threads trained the
+# benchmark's CNN as fast as two worker processes and the demo's MLP faster (docs/performance.md).
+AUTO_WORKERS_MIN_CORES = 4
+
+
 def resolve_workers(cfg: Config) -> int:
-    """``run.workers``, with 0 (auto) decided here: worker processes pay off on a CPU when a round has several
-    clients to spread over several cores, since intra-op threading does little for the small batches of FL clients;
-    on a GPU, or with one core or one client per round, clients train in this process."""
+    """``run.workers``, with 0 (auto) decided here: one worker per core (at most one per client of a round) on a CPU
+    with at least ``AUTO_WORKERS_MIN_CORES`` cores, where intra-op threading no longer scales with the small batches
+    of FL clients; else, and on a GPU, clients train in this process."""
     if cfg.run.workers:
         return cfg.run.workers
     from fedhet.engine.workers import usable_cores
 
     cores, per_round = usable_cores(), cfg.clients_per_round()
-    if torch.device(cfg.run.device).type != "cpu" or cores < 2 or per_round < 2:
+    if torch.device(cfg.run.device).type != "cpu" or cores < AUTO_WORKERS_MIN_CORES or per_round < 2:
         return 1
     return min(cores, per_round)
 
