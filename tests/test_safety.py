@@ -390,35 +390,6 @@ def test_printed_errors_keep_their_brackets():
     assert proc.returncode == 2 and "valid keys in [train]: participation" in proc.stderr, proc.stderr
 
 
-def test_a_failed_cell_does_not_stop_a_comparison(tmp_path):
-    cfg = tmp_path / "cmp.toml"
-    cfg.write_text(
-        """
-[run]
-rounds = 2
-progress = false
-[dataset]
-name = "digits"
-[partition]
-num_clients = 4
-min_size = 20
-[model]
-name = "mlp"
-[compare]
-variants = ["fedavg+fedadam", "fedavg"]
-[compare.server_params.fedadam]
-lr = 1e39
-"""
-    )
-    result = CliRunner().invoke(app, ["compare", "-c", str(cfg), "-o", str(tmp_path / "out")], env={"COLUMNS": "200"})
-    assert isinstance(result.exception, RunFailed) and "1 of 2 runs failed (fedavg+fedadam seed 0)" in str(
-        result.exception
-    )
-    assert json.loads((tmp_path / "out" / "fedavg-s0" / "summary.json").read_text())["status"] == "finished"
-    assert json.loads((tmp_path / "out" / "fedavg_fedadam-s0" / "summary.json").read_text())["status"] == "failed"
-    assert "| fedavg |" in (tmp_path / "out" / "comparison.md").read_text()
-
-
 def test_the_run_folder_records_where_the_data_came_from(tiny_config):
     sim = Simulation(tiny_config(run={"name": "prov", "rounds": 1}))
     sim.run()

@@ -52,7 +52,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from fedhet.algorithms.base import Algorithm, ClientContext, ClientData, Message, Reply
 from fedhet.engine.client import ClientRunner, LocalExecutor, check_finite, failure_record
-from fedhet.engine.flat import FlatModel
+from fedhet.engine.flat import FlatModel, FlatVectors
 from fedhet.engine.local import batch_indices, num_local_steps
 from fedhet.engine.state import MemoryStateStore
 
@@ -93,7 +93,7 @@ def model_unbatchable(flat: FlatModel) -> str | None:
     return None
 
 
-class RowFlat:
+class RowFlat(FlatVectors):
     """One client's row of the stacked parameters, with ``FlatModel``'s interface for the algorithm's hooks."""
 
     def __init__(self, flat: FlatModel, params: torch.Tensor, grad: torch.Tensor) -> None:
@@ -103,25 +103,9 @@ class RowFlat:
         self.grad = grad
         self.buffers = flat.buffers  # empty: models with buffers are not batched
 
-    @property
-    def num_params(self) -> int:
-        return self.params.numel()
-
-    def get_params(self) -> torch.Tensor:
-        return self.params.clone()
-
-    def set_params(self, vec: torch.Tensor) -> None:
-        self.params.copy_(vec)
-
-    def get_buffers(self) -> torch.Tensor:
-        return self.buffers.clone()
-
     def set_buffers(self, vec: torch.Tensor) -> None:
         if vec.numel():
             raise ValueError("batched clients have no buffers")
-
-    def zero_grad(self) -> None:
-        self.grad.zero_()
 
     def slices(self) -> dict[str, slice]:
         return self._flat.slices()

@@ -21,7 +21,31 @@ def _flatten_into(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1) for t in tensors]).clone()
 
 
-class FlatModel:
+class FlatVectors:
+    """Reading and writing a model held as flat ``params`` / ``grad`` / ``buffers`` vectors: what algorithms use."""
+
+    params: torch.Tensor
+    grad: torch.Tensor
+    buffers: torch.Tensor
+
+    @property
+    def num_params(self) -> int:
+        return self.params.numel()
+
+    def get_params(self) -> torch.Tensor:
+        return self.params.clone()
+
+    def set_params(self, vec: torch.Tensor) -> None:
+        self.params.copy_(vec)
+
+    def get_buffers(self) -> torch.Tensor:
+        return self.buffers.clone()
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+
+
+class FlatModel(FlatVectors):
     """Wraps ``model`` so that ``self.params`` / ``self.grad`` / ``self.buffers`` are flat views of its state."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -43,25 +67,9 @@ class FlatModel:
             b.data = self.buffers[offset : offset + n].view_as(b)
             offset += n
 
-    @property
-    def num_params(self) -> int:
-        return self.params.numel()
-
-    def get_params(self) -> torch.Tensor:
-        return self.params.clone()
-
-    def set_params(self, vec: torch.Tensor) -> None:
-        self.params.copy_(vec)
-
-    def get_buffers(self) -> torch.Tensor:
-        return self.buffers.clone()
-
     def set_buffers(self, vec: torch.Tensor) -> None:
         if vec.numel():
             self.buffers.copy_(vec)
-
-    def zero_grad(self) -> None:
-        self.grad.zero_()
 
     def slices(self) -> dict[str, slice]:
         """Where each named parameter lives in the flat vector (for algorithms that treat layers differently)."""
