@@ -49,7 +49,8 @@ def remove_run_dir(folder: Path) -> None:
 
 
 def environment() -> dict[str, Any]:
-    """What can change a run's last bits or explain a difference: versions and thread count."""
+    """What can change a run's last bits or explain a difference: versions and platform (the simulation adds the
+    thread count its clients train with)."""
     from importlib.metadata import version
 
     return {
@@ -58,6 +59,5 @@ def environment() -> dict[str, Any]:
         "numpy": np.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "torch_threads": torch.get_num_threads(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
