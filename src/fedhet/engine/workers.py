@@ -98,7 +98,10 @@ def _worker(conn: Connection) -> None:
     runner: ClientRunner | None = None
     clients: list[ClientData] = []
     while True:
-        task = conn.recv()
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):  # the parent is gone (killed): nothing to report to
+            return
         if task is None:
             return
         if task[0] == "setup":
@@ -109,9 +112,13 @@ def _worker(conn: Connection) -> None:
         try:
             reply, new_state = runner.run(cid, rnd, phase_idx, phase, msg, clients[cid], state)
         except Exception as err:  # a failing client is reported, never the worker's end
-            conn.send(("failed", cid, failure_record(rnd, phase, cid, err)))
-            continue
-        conn.send(("ok", cid, reply, new_state))
+            answer = ("failed", cid, failure_record(rnd, phase, cid, err))
+        else:
+            answer = ("ok", cid, reply, new_state)
+        try:
+            conn.send(answer)
+        except OSError:  # the parent is gone
+            return
 
 
 def _setup(cfg_raw: dict[str, Any], fed, shared: SharedClients) -> tuple[ClientRunner, list[ClientData]]:
