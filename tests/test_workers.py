@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedhet.algorithms import ALGORITHMS
-from fedhet.engine import workers
+from fedhet.engine import simulation, workers
 from fedhet.engine.simulation import Simulation, resolve_workers
 from fedhet.engine.workers import ProcessExecutor, SharedClients
 from fedhet.results.store import read_metrics
@@ -115,12 +115,12 @@ def test_ctrl_c_stops_every_worker_and_the_run_resumes_bit_exact(tiny_config, mo
 
 
 def test_auto_workers(tiny_config, monkeypatch):
-    monkeypatch.setattr(workers, "usable_cores", lambda: 4)
+    monkeypatch.setattr(simulation, "usable_cores", lambda: 4)
     auto = lambda **kw: resolve_workers(tiny_config(run={"workers": 0}, **kw))  # noqa: E731
     assert auto(train={"clients_per_round": 3}) == 3
     assert auto(train={"participation": 1.0}) == 4
     assert auto(train={"clients_per_round": 1}) == 1
-    monkeypatch.setattr(workers, "usable_cores", lambda: 2)  # two intra-op threads were as fast (performance.md)
+    monkeypatch.setattr(simulation, "usable_cores", lambda: 2)  # two intra-op threads were as fast (performance.md)
     assert auto(train={"participation": 1.0}) == 1
 
 

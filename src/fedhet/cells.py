@@ -43,17 +43,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fedhet.config import Config, build_config
+from fedhet.engine.rundir import usable_cores
 from fedhet.errors import ConfigError, FedhetError
 
 Event = tuple[Any, ...]
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS has one), not the machine's count."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
 
 
 def parse_jobs(text: str | int) -> int:

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from fedhet.errors import ConfigError
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one), not the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
 
 
 def check_run_flags(resume: bool, overwrite: bool) -> None:
@@ -52,6 +58,9 @@ def environment() -> dict[str, Any]:
     """What can change a run's last bits or explain a difference: versions and platform (the simulation adds the
     thread count its clients train with)."""
     from importlib.metadata import version
+
+    import numpy as np
+    import torch
 
     return {
         "fedhet": version("fedhet"),

@@ -32,7 +32,14 @@ from fedhet.engine.checkpoint import LAST, CheckpointError, load_latest, remove_
 from fedhet.engine.client import ClientRunner, Executor, LocalExecutor, derive_seed
 from fedhet.engine.evaluate import evaluate_global
 from fedhet.engine.flat import FlatModel
-from fedhet.engine.rundir import check_run_flags, environment, holds_run, make_out_dir, remove_run_dir
+from fedhet.engine.rundir import (
+    check_run_flags,
+    environment,
+    holds_run,
+    make_out_dir,
+    remove_run_dir,
+    usable_cores,
+)
 from fedhet.engine.state import build_state_store
 from fedhet.errors import ConfigError, RunFailed
 from fedhet.results.store import MetricsLog, read_json, read_metrics, truncate_after, write_json_atomic
@@ -189,8 +196,6 @@ def resolve_workers(cfg: Config) -> int:
     of FL clients; else, and on a GPU, clients train in this process."""
     if cfg.run.workers:
         return cfg.run.workers
-    from fedhet.engine.workers import usable_cores
-
     cores, per_round = usable_cores(), cfg.clients_per_round()
     if torch.device(cfg.run.device).type != "cpu" or cores < AUTO_WORKERS_MIN_CORES or per_round < 2:
         return 1

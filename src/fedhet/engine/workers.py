@@ -23,7 +23,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import os
 import shutil
 import signal
 from dataclasses import dataclass
@@ -37,10 +36,6 @@ from fedhet.algorithms.base import ClientData, Message
 from fedhet.engine.client import ClientRunner, LocalExecutor, failure_record
 
 _CTX = mp.get_context("spawn")
-
-
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 # ------------------------------------------------------------------ data in shared memory
