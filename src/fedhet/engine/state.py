@@ -91,7 +91,7 @@ class DiskStateStore:
 
     def get(self, cid: int) -> State:
         p = self._path(cid)
-        return torch.load(p, weights_only=True) if p.exists() else {}
+        return load_state_file(p) if p.exists() else {}
 
     def put(self, cid: int, state: State) -> None:
         if not state:
@@ -105,7 +105,7 @@ class DiskStateStore:
 
     def items(self):
         for cid in self._clients():
-            yield cid, torch.load(self._path(cid), weights_only=True)
+            yield cid, load_state_file(self._path(cid))
 
     def clear(self) -> None:
         """Forget every state, live or snapshotted (a run starting from round 0)."""
