@@ -116,36 +116,6 @@ def test_partition_command_prints_counts_and_plots(tmp_path):
     assert plot.stat().st_size > 1000
 
 
-def test_compare_runs_variants_and_writes_table_and_plot(tmp_path):
-    cfg = tmp_path / "cmp.toml"
-    cfg.write_text(
-        """
-[run]
-rounds = 2
-progress = false
-[dataset]
-name = "digits"
-[partition]
-num_clients = 4
-min_size = 20
-[model]
-name = "mlp"
-[compare]
-variants = ["fedavg", "fedprox", "fedavg+fedavgm"]
-[compare.params.fedprox]
-mu = 0.1
-"""
-    )
-    result = runner.invoke(app, ["compare", "-c", str(cfg), "-o", str(tmp_path / "out")], env={"COLUMNS": "200"})
-    assert result.exit_code == 0, result.output
-    table = (tmp_path / "out" / "comparison.md").read_text()
-    for label in ("| fedavg |", "| fedprox |", "| fedavg+fedavgm |"):
-        assert label in table
-    assert (tmp_path / "out" / "comparison.png").exists()
-    config = json.loads((tmp_path / "out" / "fedprox-s0" / "config.json").read_text())
-    assert config["algorithm"] == {"name": "fedprox", "weighting": "samples", "mu": 0.1}
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [

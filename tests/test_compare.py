@@ -289,3 +289,17 @@ def test_each_data_set_is_loaded_once_however_the_cells_are_listed(tmp_path, mon
     result = compare("-c", str(cfg), "-o", out, "-r", "1", "-g", "train.lr=0.05,0.1", "--threads", "1")
     assert result.exit_code == 0, result.output
     assert sorted(loads) == [0, 1]  # 8 cells, 2 data sets (one per seed: the lr grid does not change the data)
+
+
+def test_compare_runs_variants_and_writes_table_and_plot(tmp_path):
+    cfg = write_config(
+        tmp_path, 'variants = ["fedavg", "fedprox", "fedavg+fedavgm"]\n[compare.params.fedprox]\nmu = 0.1\n'
+    )
+    result = runner.invoke(app, ["compare", "-c", str(cfg), "-o", str(tmp_path / "out")], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    table = (tmp_path / "out" / "comparison.md").read_text()
+    for label in ("| fedavg |", "| fedprox |", "| fedavg+fedavgm |"):
+        assert label in table
+    assert (tmp_path / "out" / "comparison.png").exists()
+    config = json.loads((tmp_path / "out" / "fedprox-s0" / "config.json").read_text())
+    assert config["algorithm"] == {"name": "fedprox", "weighting": "samples", "mu": 0.1}
