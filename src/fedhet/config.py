@@ -53,6 +53,15 @@ class RunSection(_Strict):
     # how a phase's clients train: one after another, or several as one batched computation (engine/batched.py;
     # same results to float rounding); "auto" batches only where docs/performance.md measured it to pay off
     executor: Literal["auto", "sequential", "batched"] = "auto"
+    # FedACD's Tables 3 and 9 for any algorithm: each participant's local model (as local training left it) is
+    # evaluated on the test set (local_risk: its error averaged over every client's label distribution, Eq. 3) and
+    # on its own training data (local_kl: KL(P^m || Q), App. A.2); one extra pass of each per participant per round
+    eval_local_models: bool = False
+    # FedACD's Table 2 read as physical test sets (notes/fedacd.md 4.5): each client's test sample is drawn once,
+    # with its training label proportions, from the global test set (client_dist_acc_sampled); the exact
+    # expectation, client_dist_acc, is always logged
+    client_dist_sampled: bool = False
+    client_dist_sample_size: int | None = Field(None, ge=1)  # None: as many as the client's training samples
 
     @field_validator("name")
     @classmethod
@@ -153,6 +162,9 @@ class _Component(Params):
 class DatasetSection(_Component):
     name: str = "fmnist"
     data_dir: str | None = None
+    # a class-stratified fraction of the training set, the same for every seed (quick studies on a small machine;
+    # the test set stays whole); recorded in provenance.json
+    train_fraction: float = Field(1.0, gt=0.0, le=1.0)
 
     @field_validator("data_dir")
     @classmethod

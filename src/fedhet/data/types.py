@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -72,6 +72,23 @@ class ArrayDataset:
         if not self.content_hash:
             self.content_hash = self.array_hash()
 
+    def train_subset(self, fraction: float) -> ArrayDataset:
+        """A class-stratified ``fraction`` of the training set (each class rounded, at least one sample of a class
+        that has any), the same subset whatever the run seed; the test set is untouched. The provenance keeps the
+        source files and hash and records the fraction."""
+        if fraction >= 1.0:
+            return self
+        rng = np.random.default_rng(0x5B5E7)
+        keep = []
+        for c in np.unique(self.y_train):
+            idx = np.flatnonzero(self.y_train == c)
+            keep.append(rng.choice(idx, size=max(1, round(fraction * len(idx))), replace=False))
+        keep = np.sort(np.concatenate(keep))
+        groups = None if self.groups_train is None else self.groups_train[keep]
+        extra = {**self.extra, "train_fraction": fraction}
+        sub = replace(self, x_train=self.x_train[keep], y_train=self.y_train[keep], groups_train=groups, extra=extra)
+        return sub
+
     def array_hash(self) -> str:
         """sha256 over the name, dtype, shape and bytes of each array (train, test, groups), in that order."""
         arrays = {"x_train": self.x_train, "y_train": self.y_train, "x_test": self.x_test, "y_test": self.y_test}
@@ -97,6 +114,7 @@ class ArrayDataset:
             "file_count": len(self.source_files),
             "sha256": self.content_hash,
             "sha256_of": "files" if self.source_files else "arrays",
+            **({"train_fraction": self.extra["train_fraction"]} if "train_fraction" in self.extra else {}),
         }
 
 

@@ -93,6 +93,12 @@ def model_unbatchable(flat: FlatModel) -> str | None:
     return None
 
 
+def runner_unbatchable(runner: ClientRunner) -> str | None:
+    if runner.local_diagnostics:
+        return "run.eval_local_models evaluates each client's local model"
+    return algorithm_unbatchable(runner.algo) or model_unbatchable(runner.flat)
+
+
 class RowFlat(FlatVectors):
     """One client's row of the stacked parameters, with ``FlatModel``'s interface for the algorithm's hooks."""
 
@@ -152,7 +158,7 @@ class BatchedExecutor:
 
     # ------------------------------------------------------------------ Executor protocol
     def unsupported(self) -> str | None:
-        return algorithm_unbatchable(self.runner.algo) or model_unbatchable(self.runner.flat)
+        return runner_unbatchable(self.runner)
 
     def run_phase(
         self, rnd: int, phase_idx: int, phase: str, msgs: dict[int, Message]
@@ -438,7 +444,7 @@ def choose_executor(cfg: Config, runner: ClientRunner) -> tuple[str, str]:
     wanted = cfg.run.executor
     if wanted == "sequential":
         return "sequential", "run.executor = sequential"
-    reason = algorithm_unbatchable(runner.algo) or model_unbatchable(runner.flat)
+    reason = runner_unbatchable(runner)
     if reason is not None:
         return "sequential", f"the batched executor does not support this run: {reason}"
     if wanted == "batched":

@@ -23,9 +23,13 @@ from fedhet.algorithms.base import Algorithm, ClientContext, ClientData, Message
 from fedhet.config import TrainSection
 from fedhet.data.augment import Augment
 from fedhet.engine.checkpoint import CheckpointError
+from fedhet.engine.confusion import PAPER_TAU, probability_matrix, soft_confusion, template_kl
 from fedhet.engine.evaluate import evaluate
 from fedhet.engine.flat import FlatModel
 from fedhet.engine.state import MemoryStateStore, State
+
+# reply tensors of run.eval_local_models; the simulation takes them out before the algorithm aggregates
+LOCAL_PARAMS, LOCAL_BUFFERS = "local_params", "local_buffers"
 
 
 def derive_seed(*parts: int) -> int:
@@ -35,7 +39,14 @@ def derive_seed(*parts: int) -> int:
 
 class ClientRunner:
     def __init__(
-        self, algo: Algorithm, flat: FlatModel, train: TrainSection, augment: Augment | None, run_seed: int
+        self,
+        algo: Algorithm,
+        flat: FlatModel,
+        train: TrainSection,
+        augment: Augment | None,
+        run_seed: int,
+        local_diagnostics: bool = False,
+        eval_batch_size: int = 1024,
     ) -> None:
         self.algo = algo
         self.flat = flat
@@ -43,6 +54,9 @@ class ClientRunner:
         self.train = train
         self.augment = augment
         self.run_seed = run_seed
+        # run.eval_local_models: each reply of a round's last phase also carries the local model and its KL(P||Q)
+        self.local_diagnostics = local_diagnostics
+        self.eval_batch_size = eval_batch_size
 
     def context(
         self, cid: int, rnd: int, phase_idx: int, phase: str, msg: Message, data: ClientData, state: State
@@ -68,8 +82,22 @@ class ClientRunner:
     ) -> tuple[Reply, State]:
         ctx = self.context(cid, rnd, phase_idx, phase, msg, data, state)
         reply = self.algo.client_update(ctx)
+        if self.local_diagnostics and phase == self.algo.phases[-1]:
+            self.diagnose(reply, data)
         check_finite(reply, ctx.state)
         return reply, ctx.state
+
+    def diagnose(self, reply: Reply, data: ClientData) -> None:
+        """Attach the model local training left (FedACD's Table 3 evaluates it on the test set, server side) and
+        its KL(P^m || Q) on the client's own training data (Table 9: any algorithm's local models). A clean eval-mode
+        pass: it draws no random number, so the run's results are the same with or without it."""
+        reply.tensors[LOCAL_PARAMS] = self.flat.get_params()
+        if self.flat.buffers.numel():
+            reply.tensors[LOCAL_BUFFERS] = self.flat.get_buffers()
+        if len(data.y):
+            sums, counts = soft_confusion(self.model, data.x, data.y, data.num_classes, self.eval_batch_size)
+            kl = template_kl(probability_matrix(sums, counts), PAPER_TAU)
+            reply.metrics["local_kl"] = kl
 
     def personal_accuracy(
         self, cid: int, rnd: int, msg: Message, data: ClientData, state: State, batch_size: int

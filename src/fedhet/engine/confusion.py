@@ -13,6 +13,8 @@ import math
 import torch
 from torch import nn
 
+PAPER_TAU = 1.0 - 1e-5  # FedACD's template diagonal (Eq. 10); Table 9 reports every method's KL against it
+
 
 @torch.no_grad()
 def soft_confusion(

@@ -20,6 +20,7 @@ class EvalStats:
     loss_sum: float
     correct: np.ndarray  # per class
     count: np.ndarray  # per class
+    hits: np.ndarray | None = None  # per sample: predicted right
 
     @property
     def n(self) -> int:
@@ -45,15 +46,17 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: in
     model.eval()
     loss_sum = 0.0
     correct = torch.zeros(num_classes, dtype=torch.float64)
+    hits = []
     for start in range(0, len(y), batch_size):
         xb, yb = x[start : start + batch_size], y[start : start + batch_size]
         logits = model(xb)
         loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
-        hit = (logits.argmax(1) == yb).to(torch.float64)
-        correct.index_add_(0, yb.cpu(), hit.cpu())
+        hit = (logits.argmax(1) == yb).cpu()
+        hits.append(hit)
+        correct.index_add_(0, yb.cpu(), hit.to(torch.float64))
     count = torch.bincount(y.cpu(), minlength=num_classes).numpy().astype(np.float64)
     model.train(was_training)
-    return EvalStats(loss_sum, correct.numpy(), count)
+    return EvalStats(loss_sum, correct.numpy(), count, torch.cat(hits).numpy() if hits else np.zeros(0, bool))
 
 
 @torch.no_grad()
@@ -105,6 +108,42 @@ def client_distribution_acc(per_class_acc: np.ndarray, label_dist: np.ndarray) -
     return pi @ per_class_acc[known]
 
 
+def client_test_samples(
+    y_test: np.ndarray, label_dist: np.ndarray, sizes: np.ndarray, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Per client, indices into the test set forming a test sample with the client's label proportions.
+
+    Client m's ``sizes[m]`` class labels are drawn from pi^m restricted to the classes the test set has; each class's
+    share is then taken from that class's test samples without replacement, or with replacement where it asks for
+    more than the test set holds (a large client of one class)."""
+    by_class = [np.flatnonzero(y_test == c) for c in range(label_dist.shape[1])]
+    known = np.array([len(ix) > 0 for ix in by_class])
+    samples = []
+    for pi, n in zip(label_dist, sizes, strict=True):
+        p = np.where(known, pi, 0.0)
+        if p.sum() <= 0 or n <= 0:
+            samples.append(np.zeros(0, dtype=np.int64))
+            continue
+        per_class = rng.multinomial(int(n), p / p.sum())
+        parts = [rng.choice(by_class[c], size=k, replace=k > len(by_class[c])) for c, k in enumerate(per_class) if k]
+        samples.append(np.sort(np.concatenate(parts)))
+    return samples
+
+
+def sampled_distribution_acc(hits: np.ndarray, samples: list[np.ndarray]) -> float:
+    """Mean over clients (each counted once, as in FedACD's Eq. 2) of the accuracy on their own test sample."""
+    accs = [hits[ix].mean() for ix in samples if len(ix)]
+    return float(np.mean(accs)) if accs else math.nan
+
+
+def local_risk(per_class_acc: np.ndarray, label_dist: np.ndarray) -> float:
+    """FedACD's Eq. 3: a model's error averaged over every client's label distribution, clients weighted equally,
+    eps . mean_m(pi^m) (Table 3). Classes absent from the test set are left out and the weights renormalised."""
+    known = ~np.isnan(per_class_acc)
+    pibar = label_dist.mean(axis=0)[known]
+    return float((1.0 - per_class_acc[known]) @ pibar / max(pibar.sum(), 1e-12))
+
+
 def fairness(acc: np.ndarray, sizes: np.ndarray) -> dict[str, float]:
     """Spread of per-client accuracies: mean, std, min, max, mean of the worst 10%, smallest/largest client."""
     k = max(1, math.ceil(0.1 * len(acc)))
@@ -119,12 +158,16 @@ def fairness(acc: np.ndarray, sizes: np.ndarray) -> dict[str, float]:
     }
 
 
-def evaluate_global(model: nn.Module, fed: FederatedDataset, batch_size: int) -> dict[str, float]:
-    """All global-model metrics of one evaluation round."""
+def evaluate_global(
+    model: nn.Module, fed: FederatedDataset, batch_size: int, samples: list[np.ndarray] | None = None
+) -> dict[str, float]:
+    """All global-model metrics of one evaluation round; ``samples`` are the clients' sampled test sets, if any."""
     stats = evaluate(model, fed.x_test, fed.y_test, fed.num_classes, batch_size)
     per_class = stats.per_class_acc()
     dist_acc = client_distribution_acc(per_class, fed.label_distribution())
     out = {"test_acc": stats.acc, "test_loss": stats.loss, "client_dist_acc": float(dist_acc.mean())}
+    if samples is not None:
+        out["client_dist_acc_sampled"] = sampled_distribution_acc(stats.hits, samples)
     if fed.has_local_test:
         # Each client's own held-out split: the exact per-client accuracy of the global model.
         # A client whose split is empty falls back to its distribution-weighted accuracy.

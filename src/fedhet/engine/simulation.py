@@ -29,8 +29,8 @@ from fedhet.data.augment import build_augment
 from fedhet.data.federated import FederatedDataset, federate
 from fedhet.engine.batched import BatchedExecutor, choose_executor
 from fedhet.engine.checkpoint import LAST, CheckpointError, load_latest, remove_temporaries, write_checkpoint
-from fedhet.engine.client import ClientRunner, Executor, LocalExecutor, derive_seed
-from fedhet.engine.evaluate import evaluate_global
+from fedhet.engine.client import LOCAL_BUFFERS, LOCAL_PARAMS, ClientRunner, Executor, LocalExecutor, derive_seed
+from fedhet.engine.evaluate import client_test_samples, evaluate, evaluate_global, local_risk
 from fedhet.engine.flat import FlatModel
 from fedhet.engine.rundir import (
     check_run_flags,
@@ -74,7 +74,9 @@ def build_federation(cfg: Config) -> FederatedDataset:
     from fedhet.data.datasets import load_dataset
     from fedhet.data.partition import partition
 
-    ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir, **cfg.dataset.params())
+    ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir, **cfg.dataset.params()).train_subset(
+        cfg.dataset.train_fraction
+    )
     p = cfg.partition
     seed = cfg.run.seed if p.seed is None else p.seed
     labels, groups = ds.y_train, ds.groups_train
@@ -161,7 +163,10 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
     setup = Setup(fed.num_clients, fed.num_classes, cfg.train, make_model, device)
     algo = build_algorithm(cfg, setup)
     algo.init_server(flat.get_params(), flat.get_buffers())
-    runner = ClientRunner(algo, flat, cfg.train, build_augment(cfg.train.augment, fed.pad_value), cfg.run.seed)
+    augment = build_augment(cfg.train.augment, fed.pad_value)
+    runner = ClientRunner(
+        algo, flat, cfg.train, augment, cfg.run.seed, cfg.run.eval_local_models, cfg.run.eval_batch_size
+    )
     return Training(model, flat, setup, algo, runner)
 
 
@@ -232,6 +237,9 @@ class Simulation:
         self.seen: set[int] = set()  # clients that have completed at least one round
         self.ema: float | None = None
         self.empty_streak = 0  # rounds in a row in which no client finished
+        # run.eval_local_models: the local models (params, buffers) of the last phase's replies, for evaluation
+        self.local_models: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._dist_samples: list[np.ndarray] | None = None
 
     def build_executor(self, runner: ClientRunner, store: Any) -> Executor:
         """Batched clients, worker processes or one client after another, as ``run.executor`` and ``run.workers``
@@ -273,6 +281,10 @@ class Simulation:
         msgs = self.algo.configure(rnd, cids, phase)
         replies, failures = self.executor.run_phase(rnd, phase_idx, phase, msgs)
         replies = dict(sorted(replies.items()))  # aggregation order is fixed, whatever order clients ran in
+        if any(LOCAL_PARAMS in r.tensors for r in replies.values()):
+            self.local_models = {
+                cid: (r.tensors.pop(LOCAL_PARAMS), r.tensors.pop(LOCAL_BUFFERS, None)) for cid, r in replies.items()
+            }
         if replies:
             self.algo.aggregate(rnd, replies, phase)
             self.seen.update(replies)
@@ -282,7 +294,8 @@ class Simulation:
     def evaluate(self, rnd: int, result: RoundResult, started: float) -> dict[str, Any]:
         self.flat.set_params(self.algo.global_params)
         self.flat.set_buffers(self.algo.global_buffers)
-        metrics = evaluate_global(self.model, self.fed, self.cfg.run.eval_batch_size)
+        metrics = evaluate_global(self.model, self.fed, self.cfg.run.eval_batch_size, self.dist_samples())
+        metrics.update(self.local_model_metrics(result.replies))
         acc = metrics["test_acc"]
         self.ema = acc if self.ema is None else self.cfg.run.ema * self.ema + (1 - self.cfg.run.ema) * acc
         replies = result.replies
@@ -301,6 +314,42 @@ class Simulation:
         record.update(self.personal_metrics(rnd))
         record.update(self.algo.round_metrics(rnd))
         return record
+
+    def dist_samples(self) -> list[np.ndarray] | None:
+        """The clients' sampled test sets (run.client_dist_sampled): drawn once from the run seed, so every round
+        is measured on the same samples."""
+        run = self.cfg.run
+        if not run.client_dist_sampled:
+            return None
+        if self._dist_samples is None:
+            fixed = run.client_dist_sample_size
+            sizes = self.fed.sizes if fixed is None else np.full(self.fed.num_clients, fixed)
+            rng = np.random.default_rng(derive_seed(run.seed, 0x7E57))
+            y = self.fed.y_test.cpu().numpy()
+            self._dist_samples = client_test_samples(y, self.fed.label_distribution(), sizes, rng)
+        return self._dist_samples
+
+    def local_model_metrics(self, replies: dict[int, Reply]) -> dict[str, float]:
+        """FedACD's Tables 3 and 9 for this round's local models (run.eval_local_models): the mean over participants
+        of their risk on every client's label distribution, and of their KL(P^m || Q) on their own data."""
+        if not self.local_models:
+            return {}
+        risks = []
+        fed, label_dist = self.fed, self.fed.label_distribution()
+        for params, buffers in self.local_models.values():
+            self.flat.set_params(params)
+            if buffers is not None:
+                self.flat.set_buffers(buffers)
+            stats = evaluate(self.model, fed.x_test, fed.y_test, fed.num_classes, self.cfg.run.eval_batch_size)
+            risks.append(local_risk(stats.per_class_acc(), label_dist))
+        self.flat.set_params(self.algo.global_params)
+        self.flat.set_buffers(self.algo.global_buffers)
+        kls = [r.metrics["local_kl"] for r in replies.values() if "local_kl" in r.metrics]
+        self.local_models = {}
+        out = {"local_risk": float(np.mean(risks))}
+        if kls:
+            out["local_kl"] = float(np.mean(kls))
+        return out
 
     def personal_metrics(self, rnd: int) -> dict[str, Any]:
         """Each client's personalised model on its local test split (micro and macro averages).

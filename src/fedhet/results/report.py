@@ -44,7 +44,7 @@ class Run:
         values = [v for _, v in self.values(metric) if not math.isnan(v)]
         if not values:
             return None
-        return min(values) if "loss" in metric else max(values)
+        return min(values) if lower_is_better(metric) else max(values)
 
     @property
     def last_round(self) -> int:
@@ -70,7 +70,8 @@ class Row:
     client_acc_worst10: float | None
     personal_acc_macro: float | None
     rounds: tuple[int, int]  # (fewest, most) rounds reached by a seed
-    extras: dict[str, float | None] = field(default_factory=dict)  # OPTIONAL_COLUMNS, mean of the finals
+    # OPTIONAL_COLUMNS: (mean, std) of the finals over seeds
+    extras: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
 
 
 # Personalised and fairness metrics shown as extra columns when some run recorded them. Personalisation that
@@ -82,7 +83,14 @@ OPTIONAL_COLUMNS = {
     "client_acc_std": "client acc std",
     "acc_smallest_client": "acc smallest client",
     "acc_largest_client": "acc largest client",
+    "client_dist_acc_sampled": "client-dist acc (sampled)",
+    "local_risk": "local-model risk",
+    "local_kl": "local KL(P||Q)",
 }
+
+
+def lower_is_better(metric: str) -> bool:
+    return "loss" in metric or metric in ("local_risk", "local_kl")
 
 
 def load_runs(paths: list[str | Path]) -> list[Run]:
@@ -238,8 +246,13 @@ def summary_row(group: Group, metric: str) -> Row:
         client_acc_worst10=mean([r.final("client_acc_worst10") for r in runs]),
         personal_acc_macro=mean([r.final("personal_acc_macro") for r in runs]),
         rounds=(min(rounds), max(rounds)),
-        extras={key: mean([r.final(key) for r in runs]) for key in OPTIONAL_COLUMNS},
+        extras={key: mean_std([r.final(key) for r in runs]) for key in OPTIONAL_COLUMNS},
     )
+
+
+def mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
+    present = [v for v in values if v is not None]
+    return mean(present), statistics.stdev(present) if len(present) > 1 else None
 
 
 def mean(values: list[float | None]) -> float | None:
@@ -254,23 +267,23 @@ def table_cells(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
     personal = any(r.personal_acc_macro is not None for r in rows)
     if personal:
         header.append("personal acc (macro)")
-    extras = [k for k in OPTIONAL_COLUMNS if any(r.extras.get(k) is not None for r in rows)]
+    extras = [k for k in OPTIONAL_COLUMNS if any(r.extras.get(k, (None,))[0] is not None for r in rows)]
     header += [OPTIONAL_COLUMNS[k] for k in extras]
     header.append("rounds")
     cells = []
     for r in rows:
-        line = [r.label, str(r.seeds), fmt(r.final_mean, metric, r.final_std), fmt(r.best_mean, metric)]
-        line += [fmt(r.client_dist_acc, "acc"), fmt(r.client_acc_worst10, "acc")]
+        line = [r.label, str(r.seeds), fmt(r.final_mean, r.final_std, metric=metric), fmt(r.best_mean, metric=metric)]
+        line += [fmt(r.client_dist_acc, metric="acc"), fmt(r.client_acc_worst10, metric="acc")]
         if personal:
-            line.append(fmt(r.personal_acc_macro, "acc"))
-        line += [fmt(r.extras.get(k), k) for k in extras]
+            line.append(fmt(r.personal_acc_macro, metric="acc"))
+        line += [fmt(*r.extras.get(k, (None, None)), metric=k) for k in extras]
         low, high = r.rounds
         line.append(str(high) if low == high else f"{low}–{high}")
         cells.append(line)
     return header, cells
 
 
-def fmt(value: float | None, metric: str, std: float | None = None) -> str:
+def fmt(value: float | None, std: float | None = None, *, metric: str) -> str:
     """Accuracies as percentages with two decimals, other metrics with four significant digits."""
     if value is None:
         return MISSING
