@@ -3,7 +3,7 @@
 # Usage: [JOBS=N] run.sh [SEEDS] [BETAS...] [-- MORE_COMPARE_OPTIONS]   e.g. run.sh 0,1,2 0.1 -- --dry-run
 # One `fedhet compare` per beta (so the first beta's cells all finish before the next starts), JOBS cells at a time
 # (default: one per usable core, one torch thread each). Rerunning skips finished cells and continues killed ones.
-# Results: runs/reproduce/fedacd-fmnist/alpha<B>/<method>-s<seed>; benchmarks/reproduce/fedacd/tables.py turns
+# Results (OUT, default runs/reproduce/fedacd-fmnist): OUT/alpha<B>/<method>-s<seed>; benchmarks/reproduce/fedacd/tables.py turns
 # them into the tables of docs/reproductions/fedacd.md.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -18,5 +18,5 @@ done
 variants=${VARIANTS:-fedavg,fedprox,fednova,creff,fedrod,fedntd,fedlc,feddecorr,fednh,fedacd}
 for beta in "${betas[@]}"; do
   "${FEDHET:-.venv/bin/fedhet}" compare -c benchmarks/reproduce/fedacd/fmnist.toml --grid "partition.alpha=$beta" \
-    --seeds "$seeds" --variants "$variants" -o runs/reproduce/fedacd-fmnist --jobs "${JOBS:-auto}" "${extra[@]}"
+    --seeds "$seeds" --variants "$variants" -o "${OUT:-runs/reproduce/fedacd-fmnist}" --jobs "${JOBS:-auto}" "${extra[@]}"
 done
