@@ -269,3 +269,20 @@ def test_creff_kill_and_resume_is_bit_exact(tiny_config, kill_and_resume):
     for key in ("global_params", "broadcast_params", "head", "features"):
         assert torch.equal(getattr(full.algo, key), getattr(resumed.algo, key)), key
     assert full.algo.seed == resumed.algo.seed
+
+
+def test_a_head_without_bias_is_matched_and_retrained_on_its_weight_only():
+    """FedNH's CNN drops the classifier bias: the head is the weight alone, on the client and on the server."""
+    build = lambda: build_model("cnn", (1, 28, 28), 3, head_bias=False)  # noqa: E731
+    train = TrainSection(batch_size=4, local_steps=1, lr=0.01)
+    algo = CReFF(CReFFConfig(num_features=4, **FAST), Setup(2, 3, train, build))
+    torch.manual_seed(0)
+    algo.init_server(FlatModel(build()).get_params(), torch.zeros(0))
+    assert algo.layout.bias is None and algo.head.shape == (3 * 192,)
+    g = torch.Generator().manual_seed(0)
+    data = ClientData(torch.randn(6, 1, 28, 28, generator=g), torch.tensor([0, 0, 1, 1, 1, 2]), 3)
+    reply = algo.client_update(client_context(algo.configure(1, [0], "train")[0], build(), train, data=data))
+    assert reply.tensors["creff_grads"].shape == (3, 3 * 192)
+    algo.aggregate(1, {0: reply}, "train")
+    torch.testing.assert_close(algo.layout.take(algo.global_params), algo.head)
+    assert algo.round_metrics(1)["creff_retrain_loss"] < math.log(3)
