@@ -27,9 +27,9 @@ def hidden_model() -> FedModel:
     return FedModel({"fc": nn.Sequential(nn.Linear(4, D), nn.ReLU())}, D, C)
 
 
-def identity_model() -> FedModel:
+def identity_model(head_bias: bool = True) -> FedModel:
     """The features are the inputs themselves (D of them), so logits can be written out by hand."""
-    return FedModel({"flat": nn.Flatten()}, D, C)
+    return FedModel({"flat": nn.Flatten()}, D, C, head_bias=head_bias)
 
 
 def make_fedrod(build=hidden_model, train: TrainSection | None = None, server_opt=None, clients=2, **params):
@@ -162,16 +162,17 @@ def test_a_new_clients_personal_head_is_a_copy_of_the_initial_generic_head():
 
 
 # ------------------------------------------------------------------------------------------- personalised model
-def test_personalised_logits_are_generic_plus_personal_logits():
-    algo, model, flat = make_fedrod(identity_model)
+@pytest.mark.parametrize("bias", [True, False])  # FedNH's cnn drops the head bias, and then so does the P-head
+def test_personalised_logits_are_generic_plus_personal_logits(bias):
+    algo, model, flat = make_fedrod(lambda: identity_model(bias))
     s = algo.slices()
     g = torch.Generator().manual_seed(2)
-    own = torch.randn(D * C + C, generator=g)
+    own = torch.randn(D * C + C * bias, generator=g)
     x = torch.randn(6, D, generator=g)
     ctx = context(algo, model, flat, 1, ClientData(x, torch.zeros(6, dtype=torch.long), C), {PERSONAL: own})
     w = algo.global_params
-    Wg, bg = w[s["head.weight"]].view(C, D), w[s["head.bias"]]
-    Wp, bp = own[: D * C].view(C, D), own[D * C :]
+    Wg, bg = w[s["head.weight"]].view(C, D), w[s["head.bias"]] if bias else torch.zeros(C)
+    Wp, bp = own[: D * C].view(C, D), own[D * C :] if bias else torch.zeros(C)
 
     flat.set_params(algo.personalize(ctx))
     with torch.no_grad():

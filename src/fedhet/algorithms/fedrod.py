@@ -65,9 +65,9 @@ PERSONAL = "personal_head"  # the attribute prepare_model attaches; its paramete
 
 
 class FedRoDConfig(FedAvgConfig):  # weighting "samples": PFLlib's aggregation (FedNH's code averages uniformly)
-    # "linear": Fed-RoD (linear), a per-client P-head kept on the client (PFLlib clientrod.py; the paper's main
-    # method). "hyper": Fed-RoD (hyper), P generated from the label distribution by an aggregated hypernetwork
-    # (FedNH's default FedROD_hyper_clf = True).
+    # "linear": Fed-RoD (linear), a per-client P-head kept on the client (PFLlib clientrod.py, the code base of
+    # FedRANE's P-FL numbers). "hyper": Fed-RoD (hyper), P generated from the label distribution by an aggregated
+    # hypernetwork (FedNH's default FedROD_hyper_clf = True). The global model is the same either way.
     personal_head: Literal["linear", "hyper"] = "linear"
     # "plain": P takes plain SGD steps at the round's lr, without momentum, weight decay or clipping (its own
     # torch.optim.SGD(lr) in PFLlib and FedNH); "shared": P steps with the loop's optimiser (FL-bench).
