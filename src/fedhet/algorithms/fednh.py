@@ -113,18 +113,18 @@ class PrototypeHead(nn.Module):
         return self.scale * (F.normalize(z, dim=1) @ F.normalize(self.prototypes, dim=1).T)
 
 
-def class_prototype_sums(model: FedModel, x: torch.Tensor, y: torch.Tensor, num_classes: int):
+def class_prototype_sums(
+    model: FedModel, x: torch.Tensor, y: torch.Tensor, num_classes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(n_c * normalize(mean of normalised embeddings of class c), n_c) for every class, in eval mode.
 
     Classes the client does not hold get a zero row and a zero count."""
     was_training = model.training
     model.eval()
-    sums = None
+    sums = torch.zeros(num_classes, model.embedding_dim, device=y.device)
     with torch.no_grad():
         for start in range(0, len(y), EMBED_CHUNK):
             z = F.normalize(model.body(x[start : start + EMBED_CHUNK]), dim=1)
-            if sums is None:
-                sums = torch.zeros(num_classes, z.shape[1], dtype=z.dtype, device=z.device)
             sums.index_add_(0, y[start : start + EMBED_CHUNK], z)
     model.train(was_training)
     counts = torch.bincount(y, minlength=num_classes).to(sums.dtype)
