@@ -281,9 +281,11 @@ class Simulation:
         msgs = self.algo.configure(rnd, cids, phase)
         replies, failures = self.executor.run_phase(rnd, phase_idx, phase, msgs)
         replies = dict(sorted(replies.items()))  # aggregation order is fixed, whatever order clients ran in
-        if any(LOCAL_PARAMS in r.tensors for r in replies.values()):
+        if phase == self.algo.phases[-1]:  # this round's local models only: never a failed round's predecessors
             self.local_models = {
-                cid: (r.tensors.pop(LOCAL_PARAMS), r.tensors.pop(LOCAL_BUFFERS, None)) for cid, r in replies.items()
+                cid: (r.tensors.pop(LOCAL_PARAMS), r.tensors.pop(LOCAL_BUFFERS, None))
+                for cid, r in replies.items()
+                if LOCAL_PARAMS in r.tensors
             }
         if replies:
             self.algo.aggregate(rnd, replies, phase)
