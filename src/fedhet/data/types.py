@@ -86,8 +86,7 @@ class ArrayDataset:
         keep = np.sort(np.concatenate(keep))
         groups = None if self.groups_train is None else self.groups_train[keep]
         extra = {**self.extra, "train_fraction": fraction}
-        sub = replace(self, x_train=self.x_train[keep], y_train=self.y_train[keep], groups_train=groups, extra=extra)
-        return sub
+        return replace(self, x_train=self.x_train[keep], y_train=self.y_train[keep], groups_train=groups, extra=extra)
 
     def array_hash(self) -> str:
         """sha256 over the name, dtype, shape and bytes of each array (train, test, groups), in that order."""
