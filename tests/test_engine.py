@@ -124,6 +124,14 @@ def test_a_parameter_added_after_the_run_was_saved_resumes_at_its_default():
     ]
 
 
+def test_an_unset_partition_seed_equals_the_run_seed_on_resume():
+    saved = {"run": {"seed": 3}, "partition": {"name": "dirichlet", "seed": None}}
+    assert config_changes(saved, {"run": {"seed": 3}, "partition": {"name": "dirichlet", "seed": 3}}) == []
+    assert config_changes(saved, {"run": {"seed": 3}, "partition": {"name": "dirichlet", "seed": 0}}) == [
+        "partition.seed: 3 -> 0"
+    ]
+
+
 def test_a_finished_run_extended_to_more_rounds_equals_the_longer_run(tiny_config):
     Simulation(tiny_config(run={"name": "short", "rounds": 2})).run()
     extended = Simulation(tiny_config(run={"name": "short", "rounds": 4, "progress": False}))

@@ -132,10 +132,14 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """The settings (as "section.key: old -> new") that forbid resuming a run saved with ``saved``.
 
     A component parameter the saved config lacks counts as unchanged while it holds its default: it was added after
-    the run was saved, and a new parameter's default keeps the behaviour it had before."""
+    the run was saved, and a new parameter's default keeps the behaviour it had before. An unset ``partition.seed``
+    is the run seed (``build_federation``), so setting it to that value changes nothing either."""
     from fedhet.results.report import flatten
 
     old, new = flatten(saved), flatten(current)
+    for flat in (old, new):
+        if flat.get("partition.seed") is None and "run.seed" in flat:
+            flat["partition.seed"] = flat["run.seed"]
     added = component_defaults(current)
     keys = sorted((set(old) | set(new)) - set(RESUMABLE_CHANGES) - set(LOCATION))
     return [
