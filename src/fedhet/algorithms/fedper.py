@@ -29,6 +29,8 @@ Differences from the references:
 
 * Aggregation weights: by client samples (``weighting = "samples"``, PFLlib and the paper's FedAvg); the official
   FedBABU repository's FedPer averages uniformly (``weighting = "uniform"``).
+* Buffers (BatchNorm running statistics) are averaged with the base even inside personal layers: only parameters
+  are personal (PFLlib's personal ``head`` is a Linear layer, which has none).
 * Optimiser: the shared loop's (``train``'s momentum, weight decay and clipping act on all layers, personal ones
   included); PFLlib uses plain SGD, the FedBABU repository SGD with momentum 0.9.
 """
