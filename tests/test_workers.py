@@ -132,3 +132,18 @@ def test_too_little_shared_memory_trains_in_process_with_a_warning(tiny_config, 
     sim = Simulation(config(tiny_config, "fedavg", "small-shm", workers=2))
     assert not isinstance(sim.executor, ProcessExecutor) and sim.workers == 1
     assert "/dev/shm has 0 MB free: clients train here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("algorithm", ["fedrod", "fednh", "fedper", "fedbabu"])
+def test_lazily_built_layouts_leave_dropout_streams_alone(tiny_config, algorithm):
+    """With dropout (the global random stream), workers equal in-process clients for the algorithms that build a
+    throw-away model to find a slice of the flat vector (each builds it under fork_rng)."""
+
+    def make(name, workers=1):
+        cfg = config(tiny_config, algorithm, name, workers=workers)
+        return cfg.model_copy(update={"model": cfg.model.model_copy(update={"dropout": 0.5})})
+
+    local, parallel = Simulation(make("local")), Simulation(make("parallel", workers=2))
+    local.run()
+    parallel.run()
+    torch.testing.assert_close(local.algo.global_params, parallel.algo.global_params, rtol=0, atol=0)

@@ -128,7 +128,8 @@ class FedRoD(FedAvg):
     def slices(self) -> dict[str, slice]:
         """Where each parameter (and the whole personal module, under PERSONAL) lives in the flat vector."""
         if self._slices is None:
-            slices = FlatModel(self.setup.build_model()).slices()
+            with torch.random.fork_rng(devices=[]):  # building draws weights; the run's random stream must not move
+                slices = FlatModel(self.setup.build_model()).slices()
             mine = [s for name, s in slices.items() if name.startswith(PERSONAL + ".")]
             slices[PERSONAL] = slice(mine[0].start, mine[-1].stop)  # one module: its parameters are contiguous
             self._slices = slices
