@@ -125,3 +125,17 @@ def test_ditto_learns_both_models_and_resumes_bit_exact(tiny_config, kill_and_re
     assert full.executor.store.items()
     for cid, state in full.executor.store.items():
         torch.testing.assert_close(state[PERSONAL], resumed.executor.store.get(cid)[PERSONAL], rtol=0, atol=0)
+
+
+def test_the_global_model_is_exactly_fedavgs(tiny_config):
+    """The personal iterations run after the global update and draw their batches afterwards, so the aggregated
+    model is FedAvg's bit for bit, whatever lam is."""
+    from fedhet.engine.simulation import Simulation
+
+    sims = {
+        name: Simulation(tiny_config(run={"name": name}, algorithm={"name": name}, train={"momentum": 0.5}))
+        for name in ("fedavg", "ditto")
+    }
+    finals = {name: sim.run()["final"] for name, sim in sims.items()}
+    assert finals["ditto"]["test_acc"] == finals["fedavg"]["test_acc"]
+    torch.testing.assert_close(sims["ditto"].algo.global_params, sims["fedavg"].algo.global_params, rtol=0, atol=0)
