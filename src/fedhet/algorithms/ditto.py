@@ -50,9 +50,11 @@ from fedhet.engine.local import batch_indices, num_local_steps
 PERSONAL = "personal"  # the client-state key of v_k
 
 
-class DittoConfig(FedAvgConfig):  # weighting "samples": PFLlib's aggregation (the official code averages uniformly)
-    # lam in h_k = F_k(v) + lam/2 ||v - w||^2. Official code run_fashion_*_ditto_lam1.sh: lam = 1; the paper tunes
-    # lam in {0.01, 0.1, 1, 2}; PFLlib's -mu default 0 means no pull at all.
+# weighting "samples": PFLlib's aggregation (the official code samples clients in proportion to their data and then
+# averages uniformly, the same in expectation)
+class DittoConfig(FedAvgConfig):
+    # lam in h_k = F_k(v) + lam/2 ||v - w||^2. Official code run_fashion_*_ditto_lam1.sh: lam = 1 (its dynamic_lam
+    # picks from {0.1, 1, 2}); PFLlib's -mu default 0 means no pull at all.
     lam: float = Field(1.0, ge=0.0)
     # Step size of the personal SGD; unset = the round's lr (paper's single eta, official code, PFLlib).
     personal_lr: float | None = Field(None, gt=0.0)
