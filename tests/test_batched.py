@@ -39,6 +39,8 @@ ALGORITHMS = [
     {"name": "fedper"},
     {"name": "fedper", "personal_layers": 2},
     {"name": "fedbabu"},
+    {"name": "fedmtl", "lam": 0.5},
+    {"name": "fedmtl", "lam": 0.01, "omega": "learned"},
 ]
 # momentum and weight decay, unequal client sizes (Dirichlet), every client of the federation in the round
 TRAIN = {"participation": 1.0, "momentum": 0.9, "weight_decay": 1e-3, "grad_clip": 2.0}
