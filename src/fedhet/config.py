@@ -177,6 +177,11 @@ class PartitionSection(_Component):
     num_clients: int = Field(20, ge=1)
     seed: Seed | None = None  # default: run.seed
     local_test_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # FedRANE 0.25, FedBC 0.2
+    # where a client's local test data come from: "split" = local_test_fraction of its own training data; "matched"
+    # = the official test set dealt to clients like their training data (each class in proportion to the training
+    # samples of it they hold; per-class shards get the same shards of the test set: FedUFO, notes/fedufo.md
+    # reading 12), so fairness is measured on test data that follow each client's classes
+    local_test: Literal["split", "matched"] = "split"
     merge_test: bool = False  # partition train+test together (FedBC's power-law protocol)
 
 
@@ -204,6 +209,12 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _check(self) -> Config:
         n = self.partition.num_clients
+        part = self.partition
+        if part.local_test == "matched" and (part.local_test_fraction > 0 or part.merge_test):
+            raise ValueError(
+                "partition.local_test='matched' takes the clients' test data from the official test set; it cannot "
+                "be combined with partition.local_test_fraction > 0 or partition.merge_test (use local_test='split')"
+            )
         if self.train.clients_per_round is not None and self.train.clients_per_round > n:
             raise ValueError(
                 f"train.clients_per_round={self.train.clients_per_round} exceeds partition.num_clients={n}"

@@ -72,7 +72,7 @@ def resolve_config(cfg: Config) -> dict[str, Any]:
 
 def build_federation(cfg: Config) -> FederatedDataset:
     from fedhet.data.datasets import load_dataset
-    from fedhet.data.partition import partition
+    from fedhet.data.partition import label_counts, match_test, partition
 
     ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir, **cfg.dataset.params()).train_subset(
         cfg.dataset.train_fraction
@@ -85,6 +85,12 @@ def build_federation(cfg: Config) -> FederatedDataset:
         if groups is not None and ds.groups_test is not None:
             groups = np.concatenate([groups, ds.groups_test])
     parts = partition(p.name, labels, p.num_clients, seed, groups=groups, **p.params())
+    test_parts = None
+    if p.local_test == "matched":
+        if not ds.has_test_set:
+            raise ConfigError(f"partition.local_test='matched' needs a test set, and {ds.name!r} has none; use 'split'")
+        counts = label_counts(ds.y_train, parts, ds.num_classes)
+        test_parts = match_test(ds.y_test, counts, np.random.default_rng([seed, 0x7E5]))
     return federate(
         ds,
         parts,
@@ -92,6 +98,7 @@ def build_federation(cfg: Config) -> FederatedDataset:
         merged=p.merge_test,
         seed=seed,
         device=cfg.run.device,
+        test_parts=test_parts,
     )
 
 
