@@ -143,6 +143,17 @@ class TrainSection(_Strict):
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float | None = Field(None, gt=0.0)  # max global gradient norm
     augment: Literal["none", "crop_flip", "crop_flip_rotate", "crop"] = "none"
+    # how a round's clients are chosen: "uniform" at random; "dynamic" is FedUFO's dynamic sampling (Sec. 3.3.2):
+    # a sampling_worst share of them are the clients the current global model serves worst, the rest at random
+    sampling: Literal["uniform", "dynamic"] = "uniform"
+    sampling_worst: float = Field(0.5, ge=0.0, le=1.0)  # FedUFO: K_c / 2 lowest-performing clients
+    # "performance" for dynamic sampling (notes/fedufo.md reading 11): the global model's accuracy on each client
+    # as the fairness metrics measure it ("eval": its local test data, else its distribution-weighted test accuracy;
+    # the notes' proposal), or on the client's training data ("train")
+    sampling_measure: Literal["eval", "train"] = "eval"
+    # re-measure every N rounds (reading 11: every round, or every run.eval_every rounds); the values are
+    # checkpointed, so a resumed run samples what the uninterrupted one does
+    sampling_refresh: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> TrainSection:

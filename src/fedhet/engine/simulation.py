@@ -30,7 +30,7 @@ from fedhet.data.federated import FederatedDataset, federate
 from fedhet.engine.batched import BatchedExecutor, choose_executor
 from fedhet.engine.checkpoint import LAST, CheckpointError, load_latest, remove_temporaries, write_checkpoint
 from fedhet.engine.client import LOCAL_BUFFERS, LOCAL_PARAMS, ClientRunner, Executor, LocalExecutor, derive_seed
-from fedhet.engine.evaluate import client_test_samples, evaluate, evaluate_global, local_risk
+from fedhet.engine.evaluate import client_accuracy, client_test_samples, evaluate, evaluate_global, local_risk
 from fedhet.engine.flat import FlatModel
 from fedhet.engine.rundir import (
     check_run_flags,
@@ -247,6 +247,10 @@ class Simulation:
         # run.eval_local_models: the local models (params, buffers) of the last phase's replies, for evaluation
         self.local_models: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._dist_samples: list[np.ndarray] | None = None
+        # train.sampling = "dynamic": each client's last measured performance and the round it was measured in
+        self.performance: list[float] | None = None
+        self.performance_round = 0
+        self.sampling_log: MetricsLog | None = None
 
     def build_executor(self, runner: ClientRunner, store: Any) -> Executor:
         """Batched clients, worker processes or one client after another, as ``run.executor`` and ``run.workers``
@@ -282,7 +286,44 @@ class Simulation:
         if k >= n:
             return list(range(n))
         rng = np.random.default_rng(derive_seed(self.cfg.run.seed, rnd, 0x5A))
+        if self.cfg.train.sampling == "dynamic":
+            return self.dynamic_sample(rnd, k, rng)
         return sorted(int(c) for c in rng.choice(n, size=k, replace=False))
+
+    def dynamic_sample(self, rnd: int, k: int, rng: np.random.Generator) -> list[int]:
+        """FedUFO's dynamic sampling: the ``train.sampling_worst`` share of the ``k`` clients with the lowest
+        performance (ties in a random order), the rest uniformly from the others. The generator is the round's, as
+        in uniform sampling, so the draw depends only on (seed, round, performance); logged to sampling.jsonl."""
+        acc = np.asarray(self.client_performance(rnd))
+        n = len(acc)
+        n_worst = math.floor(k * self.cfg.train.sampling_worst)
+        worst = np.lexsort((rng.random(n), acc))[:n_worst]  # ascending performance; the random key breaks ties
+        others = np.setdiff1d(np.arange(n), worst)
+        drawn = rng.choice(others, size=k - n_worst, replace=False)
+        if self.sampling_log is not None:
+            self.sampling_log.append(
+                {
+                    "round": rnd,
+                    "measured_round": self.performance_round,
+                    "worst": [int(c) for c in worst],
+                    "worst_acc": [float(acc[c]) for c in worst],
+                    "random": sorted(int(c) for c in drawn),
+                    "acc_mean": float(acc.mean()),
+                }
+            )
+        return sorted(int(c) for c in np.concatenate([worst, drawn]))
+
+    def client_performance(self, rnd: int) -> list[float]:
+        """Every client's accuracy of the current global model (train.sampling_measure), re-measured at the start of
+        every ``train.sampling_refresh``-th round."""
+        t = self.cfg.train
+        if self.performance is None or (rnd - 1) % t.sampling_refresh == 0:
+            self.flat.set_params(self.algo.global_params)
+            self.flat.set_buffers(self.algo.global_buffers)
+            on_train = t.sampling_measure == "train"
+            acc = client_accuracy(self.model, self.fed, self.cfg.run.eval_batch_size, on_train=on_train)
+            self.performance, self.performance_round = [float(a) for a in acc], rnd
+        return self.performance
 
     def run_phase(self, rnd: int, phase_idx: int, phase: str, cids: list[int]) -> RoundResult:
         msgs = self.algo.configure(rnd, cids, phase)
@@ -410,6 +451,8 @@ class Simulation:
             "seen": sorted(self.seen),
             "ema": self.ema,
             "empty_streak": self.empty_streak,
+            "performance": self.performance,
+            "performance_round": self.performance_round,
             "wall_s": wall,
             "torch_threads": self.client_threads,
             "executor_kind": self.executor_kind,
@@ -448,6 +491,8 @@ class Simulation:
         self.seen = set(state["seen"])
         self.ema = state["ema"]
         self.empty_streak = state.get("empty_streak", 0)
+        self.performance = state.get("performance")
+        self.performance_round = state.get("performance_round", 0)
         self._wall_before = state["wall_s"]
         self._saved_clients, self._rotate = state["executor"], loaded.path.name == LAST
         self._saved_round = state["round"]
@@ -496,12 +541,14 @@ class Simulation:
             if done is not None:
                 truncate_after(self.run_dir / "metrics.jsonl", done)
                 truncate_after(self.run_dir / "failures.jsonl", done)
+                truncate_after(self.run_dir / "sampling.jsonl", done)
                 write_json_atomic(self.run_dir / "config.json", self.resolved)  # e.g. run.rounds raised to extend it
                 self.record_environment(resumed_at=done)
                 return done
             self.check_nothing_lost()
             truncate_after(self.run_dir / "metrics.jsonl", 0)  # crashed before its first checkpoint: start over
             truncate_after(self.run_dir / "failures.jsonl", 0)
+            truncate_after(self.run_dir / "sampling.jsonl", 0)
         elif holds_run(self.run_dir):
             raise ConfigError(
                 f"run folder {str(self.run_dir)!r} already holds a run; pass --resume to continue "
@@ -556,6 +603,8 @@ class Simulation:
         self.warn_unmeasurable()
         metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
         failures_log = MetricsLog(self.run_dir / "failures.jsonl")
+        if self.cfg.train.sampling == "dynamic":
+            self.sampling_log = MetricsLog(self.run_dir / "sampling.jsonl")
         rounds, started = self.cfg.run.rounds, time.perf_counter()
         last = stop_after if stop_after is not None else rounds
         with self._progress() as progress:
