@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -35,6 +35,16 @@ class FederatedDataset:
     @property
     def has_local_test(self) -> bool:
         return self.clients[0].y_test is not None
+
+    def pooled(self) -> FederatedDataset:
+        """One client holding every client's training data, in client order (the centralized upper bound). The
+        clients' local test data are left out: they stay with the partition, on which evaluation is measured."""
+        one = ClientData(
+            x=torch.cat([c.x for c in self.clients]),
+            y=torch.cat([c.y for c in self.clients]),
+            num_classes=self.num_classes,
+        )
+        return replace(self, clients=[one], train_counts=self.train_counts.sum(axis=0, keepdims=True))
 
     def label_distribution(self) -> np.ndarray:
         """Each client's training label proportions pi^m (rows sum to 1)."""

@@ -233,6 +233,15 @@ class Simulation:
         self.name = cfg.run.name or cfg.default_name()
         self.run_dir = Path(cfg.run.out_dir) / self.name
         self.fed = fed if fed is not None else build_federation(cfg)
+        # what evaluation measures on: the partition's clients, also when training pools them (centralized)
+        self.eval_fed = self.fed
+        if algorithm_config(cfg)[0].pools_clients:
+            if executor is not None:
+                raise ConfigError(
+                    f"{cfg.algorithm.name} trains one client holding every client's data, which exists only in the "
+                    "simulation; run it with fedhet run or compare, not over Flower"
+                )
+            self.fed = self.fed.pooled()
         self.device = torch.device(cfg.run.device)
         parts = build_training(cfg, self.fed)
         self.model, self.flat, self.setup, self.algo = parts.model, parts.flat, parts.setup, parts.algo
@@ -344,7 +353,7 @@ class Simulation:
     def evaluate(self, rnd: int, result: RoundResult, started: float) -> dict[str, Any]:
         self.flat.set_params(self.algo.global_params)
         self.flat.set_buffers(self.algo.global_buffers)
-        metrics = evaluate_global(self.model, self.fed, self.cfg.run.eval_batch_size, self.dist_samples())
+        metrics = evaluate_global(self.model, self.eval_fed, self.cfg.run.eval_batch_size, self.dist_samples())
         metrics.update(self.local_model_metrics(result.replies))
         acc = metrics["test_acc"]
         self.ema = acc if self.ema is None else self.cfg.run.ema * self.ema + (1 - self.cfg.run.ema) * acc
@@ -373,10 +382,10 @@ class Simulation:
             return None
         if self._dist_samples is None:
             fixed = run.client_dist_sample_size
-            sizes = self.fed.sizes if fixed is None else np.full(self.fed.num_clients, fixed)
+            sizes = self.eval_fed.sizes if fixed is None else np.full(self.eval_fed.num_clients, fixed)
             rng = np.random.default_rng(derive_seed(run.seed, 0x7E57))
-            y = self.fed.y_test.cpu().numpy()
-            self._dist_samples = client_test_samples(y, self.fed.label_distribution(), sizes, rng)
+            y = self.eval_fed.y_test.cpu().numpy()
+            self._dist_samples = client_test_samples(y, self.eval_fed.label_distribution(), sizes, rng)
         return self._dist_samples
 
     def local_model_metrics(self, replies: dict[int, Reply]) -> dict[str, float]:
@@ -385,7 +394,7 @@ class Simulation:
         if not self.local_models:
             return {}
         risks = []
-        fed, label_dist = self.fed, self.fed.label_distribution()
+        fed, label_dist = self.eval_fed, self.eval_fed.label_distribution()
         for params, buffers in self.local_models.values():
             self.flat.set_params(params)
             if buffers is not None:
