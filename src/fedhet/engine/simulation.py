@@ -245,6 +245,11 @@ class Simulation:
         self.device = torch.device(cfg.run.device)
         parts = build_training(cfg, self.fed)
         self.model, self.flat, self.setup, self.algo = parts.model, parts.flat, parts.setup, parts.algo
+        if self.algo.shares_data:  # a data-sharing method (FedMeta) gets its copies of the clients' data
+            try:
+                self.algo.receive_shared_data(self.fed, cfg.run.seed)
+            except ValueError as err:
+                raise ConfigError(f"{err} (its clients' data are on the nodes); run it in the simulation") from None
         store = build_state_store(cfg.run.client_state, self.run_dir / "client_state", cfg.run.client_state_budget_mb)
         self.workers = 1 if executor is not None else resolve_workers(cfg)
         self.executor: Executor = executor or self.build_executor(parts.runner, store)
