@@ -15,12 +15,12 @@ from fedhet.errors import ConfigError
 from fedhet.results.store import read_metrics
 
 
-def central_config(tiny_config, name="central", algorithm="centralized", rounds=3):
+def central_config(tiny_config, name="central", algorithm="centralized", rounds=3, **params):
     return tiny_config(
         run={"name": name, "rounds": rounds},
         partition={"name": "shards", "num_clients": 10, "shards_per_client": 2, "local_test": "matched"},
         train={"clients_per_round": 3},
-        algorithm={"name": algorithm},
+        algorithm={"name": algorithm, **params},
     )
 
 
@@ -34,9 +34,11 @@ def test_one_client_holds_every_clients_training_data(tiny_config):
     assert sim.sample_clients(1) == [0]
 
 
-def test_a_round_is_plain_sgd_over_the_pooled_data(tiny_config):
-    """Round 1 by hand: torch.optim.SGD over the pooled data in the client's batch order gives the global model."""
-    cfg = central_config(tiny_config, rounds=1)
+@pytest.mark.parametrize("epochs", [None, 0.5])
+def test_a_round_is_plain_sgd_over_the_pooled_data(tiny_config, epochs):
+    """Round 1 by hand: torch.optim.SGD over the pooled data in the client's batch order gives the global model
+    (train.local_epochs = 1 epoch, or the algorithm's own local_epochs)."""
+    cfg = central_config(tiny_config, rounds=1, **({} if epochs is None else {"local_epochs": epochs}))
     sim = Simulation(cfg)
     start = sim.algo.global_params.clone()
     sim.run()
@@ -44,7 +46,7 @@ def test_a_round_is_plain_sgd_over_the_pooled_data(tiny_config):
     sim.flat.set_params(start)
     opt = torch.optim.SGD(sim.model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
     gen = torch.Generator().manual_seed(derive_seed(cfg.run.seed, 1, 0, 0))
-    steps = int(np.ceil(len(data.y) / t.batch_size))
+    steps = int(np.ceil((epochs or t.local_epochs) * np.ceil(len(data.y) / t.batch_size)))
     for idx in batch_indices(len(data.y), t.batch_size, steps, gen):
         opt.zero_grad()
         torch.nn.functional.cross_entropy(sim.model(data.x[idx]), data.y[idx]).backward()
