@@ -36,6 +36,9 @@ ALGORITHMS = [
     {"name": "feddyn", "alpha": 0.1, "alpha_scaling": "data_size"},
     {"name": "fednova", "mu": 0.01},
     {"name": "fedbc"},
+    {"name": "fedper"},
+    {"name": "fedper", "personal_layers": 2},
+    {"name": "fedbabu"},
     {"name": "fedmeta"},  # FedAvg's clients; the server's fine-tuning is the same on both executors
 ]
 # momentum and weight decay, unequal client sizes (Dirichlet), every client of the federation in the round

@@ -303,3 +303,50 @@ def test_compare_runs_variants_and_writes_table_and_plot(tmp_path):
     assert (tmp_path / "out" / "comparison.png").exists()
     config = json.loads((tmp_path / "out" / "fedprox-s0" / "config.json").read_text())
     assert config["algorithm"] == {"name": "fedprox", "weighting": "samples", "mu": 0.1}
+
+
+@pytest.mark.parametrize(
+    ("flag", "config_seed", "expected", "words"),
+    [
+        (None, None, [None, None], "one per seed"),  # as before: the partition follows run.seed
+        (None, 5, [5, 5], "fixed for every seed (partition.seed = 5)"),
+        ("fixed", None, [1, 1], "fixed for every seed (partition.seed = 1)"),  # the first seed
+        ("fixed", 5, [5, 5], "partition.seed = 5"),
+        ("per-seed", 5, [None, None], "one per seed"),  # the flag wins over the config
+    ],
+)
+def test_partitions_flag_sets_the_cells_partition_seed(tmp_path, flag, config_seed, expected, words):
+    setting = SETTING.replace("num_clients = 4", f"num_clients = 4\nseed = {config_seed}") if config_seed else SETTING
+    path = tmp_path / "cmp.toml"
+    path.write_text(setting + '[compare]\nvariants = ["fedavg"]\n')
+    plan = plan_comparison(path, [], seeds="1,2", partitions=flag)
+    assert [c.config.partition.seed for c in plan.cells] == expected
+    assert words in plan.partitions
+
+
+def test_partitions_in_the_compare_table_and_bad_values(tmp_path):
+    cfg = write_config(tmp_path, 'variants = ["fedavg"]\npartitions = "fixed"\n')
+    assert [c.config.partition.seed for c in plan_comparison(cfg, [], seeds="3,4").cells] == [3, 3]
+    with pytest.raises(ConfigError, match="--partitions must be one of per-seed, fixed"):
+        plan_comparison(cfg, [], seeds="3,4", partitions="shared")
+    bad = write_config(tmp_path, 'partitions = "same"\n')
+    with pytest.raises(ConfigError, match="compare.partitions"):
+        plan_comparison(bad, [])
+
+
+@pytest.mark.parametrize(
+    ("flag", "sentence"),
+    [
+        ("fixed", "Seeds: the seeds of each row share one partition (partition seed 0), so ± is over training"),
+        ("per-seed", "Seeds: each seed draws its own partition (partition.seed follows run.seed), so ± includes"),
+    ],
+)
+def test_the_comparison_table_says_whether_seeds_share_a_partition(tmp_path, flag, sentence):
+    cfg = write_config(tmp_path, 'variants = ["fedavg"]\n')
+    out = tmp_path / flag
+    result = compare("-c", str(cfg), "-o", str(out), "--seeds", "0,1", "--partitions", flag, "-r", "1")
+    assert result.exit_code == 0, result.output
+    assert sentence in (out / "comparison.md").read_text()
+    assert sentence in " ".join(result.output.split())
+    report = runner.invoke(app, ["report", str(out)], env={"COLUMNS": "200"})
+    assert sentence in " ".join(report.output.split())

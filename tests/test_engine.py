@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedhet.engine.checkpoint import read_checkpoint
-from fedhet.engine.simulation import Simulation
+from fedhet.engine.simulation import Simulation, config_changes
 from fedhet.errors import ConfigError
 from fedhet.results.store import read_metrics
 
@@ -107,6 +107,29 @@ def test_resume_with_a_changed_config_is_refused(tiny_config):
     changed = tiny_config(run={"name": "r", "rounds": 2}, train={"lr": 0.5})
     with pytest.raises(ConfigError, match=r"differs from this one in train\.lr: 0\.1 -> 0\.5"):
         Simulation(changed).run(resume=True)
+
+
+def test_a_parameter_added_after_the_run_was_saved_resumes_at_its_default():
+    saved = {"algorithm": {"name": "feddyn", "alpha": 0.01, "alpha_scaling": "none"}, "server": {"name": "fedadam"}}
+    current = {
+        "algorithm": {"name": "feddyn", "alpha": 0.01, "alpha_scaling": "none", "evaluate": "server"},
+        "server": {"name": "fedadam", "form": "reddi"},
+    }
+    assert config_changes(saved, current) == []  # keys the saved run lacks, at the values it ran with
+    current["algorithm"]["evaluate"] = "average"
+    current["server"]["form"] = "flower"
+    assert config_changes(saved, current) == [
+        "algorithm.evaluate: None -> 'average'",
+        "server.form: None -> 'flower'",
+    ]
+
+
+def test_an_unset_partition_seed_equals_the_run_seed_on_resume():
+    saved = {"run": {"seed": 3}, "partition": {"name": "dirichlet", "seed": None}}
+    assert config_changes(saved, {"run": {"seed": 3}, "partition": {"name": "dirichlet", "seed": 3}}) == []
+    assert config_changes(saved, {"run": {"seed": 3}, "partition": {"name": "dirichlet", "seed": 0}}) == [
+        "partition.seed: 3 -> 0"
+    ]
 
 
 def test_a_finished_run_extended_to_more_rounds_equals_the_longer_run(tiny_config):

@@ -132,3 +132,58 @@ def test_feddyn_kill_and_resume_is_bit_exact(tiny_config, kill_and_resume):
         torch.testing.assert_close(
             state["grad_state"], dict(resumed.executor.store.items())[cid]["grad_state"], rtol=0, atol=0
         )
+
+
+def test_average_evaluation_reports_the_client_mean_and_broadcasts_the_server_model():
+    alpha, m = 0.1, 4
+    algo = make_feddyn(num_clients=m, alpha=alpha, evaluate="average")
+    x0 = torch.tensor([1.0, -1.0, 0.5])
+    algo.init_server(x0, torch.zeros(0))
+    a, b = torch.tensor([2.0, 0.0, 0.5]), torch.tensor([0.0, -3.0, 1.5])
+    algo.aggregate(1, {0: Reply({"params": a}, num_examples=5), 1: Reply({"params": b}, num_examples=50)}, "train")
+    h1 = -alpha / m * ((a - x0) + (b - x0))
+    server = (a + b) / 2 - h1 / alpha
+    torch.testing.assert_close(algo.global_params, (a + b) / 2)  # what the engine evaluates and checkpoints
+    torch.testing.assert_close(algo.configure(2, [2], "train")[2].tensors["params"], server)  # what clients get
+    c = torch.tensor([1.0, 1.0, 1.0])
+    algo.aggregate(2, {3: Reply({"params": c}, num_examples=5)}, "train")
+    h2 = h1 - alpha / m * (c - server)  # the drift is measured from the broadcast model, not the reported one
+    torch.testing.assert_close(algo.h, h2)
+    torch.testing.assert_close(algo.global_params, c)
+    extra = algo.extra_eval_params()
+    torch.testing.assert_close(extra["feddyn_server"], c - h2 / alpha)
+    torch.testing.assert_close(extra["feddyn_average"], c)
+    restored = make_feddyn(num_clients=m, alpha=alpha, evaluate="average")
+    restored.init_server(x0, torch.zeros(0))
+    restored.load_state_dict(algo.state_dict())
+    torch.testing.assert_close(restored.configure(3, [0], "train")[0].tensors["params"], c - h2 / alpha)
+
+
+def test_both_models_are_scored_every_evaluation_and_the_choice_picks_test_acc(tiny_config):
+    runs = {}
+    for evaluate in ("server", "average"):
+        algo = {"name": "feddyn", "alpha": 0.1, "evaluate": evaluate}
+        sim = Simulation(tiny_config(run={"name": evaluate, "rounds": 3}, algorithm=algo))
+        sim.run()
+        runs[evaluate] = read_metrics(sim.run_dir / "metrics.jsonl")
+    for server_rec, average_rec in zip(runs["server"], runs["average"], strict=True):
+        for rec in (server_rec, average_rec):
+            assert {"feddyn_server_acc", "feddyn_server_loss", "feddyn_average_acc", "feddyn_average_loss"} <= set(rec)
+        # the training is the same either way; only which model test_acc reports differs
+        assert server_rec["feddyn_server_acc"] == average_rec["feddyn_server_acc"]
+        assert server_rec["feddyn_average_acc"] == average_rec["feddyn_average_acc"]
+        assert server_rec["test_acc"] == server_rec["feddyn_server_acc"]
+        assert average_rec["test_acc"] == average_rec["feddyn_average_acc"]
+        assert average_rec["test_loss"] == average_rec["feddyn_average_loss"]
+    assert any(r["feddyn_server_acc"] != r["feddyn_average_acc"] for r in runs["server"])
+
+
+def test_average_evaluation_kill_and_resume_is_bit_exact(tiny_config, kill_and_resume):
+    algo = {"name": "feddyn", "alpha": 0.1, "evaluate": "average"}
+    full, resumed = kill_and_resume(lambda name: tiny_config(run={"name": name, "rounds": 4}, algorithm=algo))
+    assert (
+        read_metrics(full.run_dir / "metrics.jsonl")[-1]["feddyn_server_acc"]
+        == (read_metrics(resumed.run_dir / "metrics.jsonl")[-1]["feddyn_server_acc"])
+    )
+    torch.testing.assert_close(full.algo.server_params, resumed.algo.server_params, rtol=0, atol=0)
+    torch.testing.assert_close(full.algo.global_params, resumed.algo.global_params, rtol=0, atol=0)

@@ -8,12 +8,14 @@ import torch
 from quadratic import A, B, TwoParams, client_context
 from torch import nn
 
-from fedhet.algorithms import Setup
+from fedhet.algorithms import ALGORITHMS, Reply, Setup
 from fedhet.algorithms.base import ClientContext, ClientData
 from fedhet.algorithms.pfedme import PFedMe, PFedMeConfig
 from fedhet.config import TrainSection
 from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation
+from fedhet.models import build_model
+from fedhet.results.store import read_metrics
 
 
 class QuadraticPFedMe(PFedMe):
@@ -94,3 +96,43 @@ def test_pfedme_learns_and_reports_personalised_accuracy(tiny_config):
     assert final["test_acc"] > 0.6, final
     assert final["personal_acc_macro"] > 0.7 and final["personal_clients"] == len(sim.seen)
     assert final["personal_never_sampled"] == sim.fed.num_clients - len(sim.seen)
+
+
+def test_train_all_sends_to_every_client_and_aggregates_only_the_sampled():
+    entry = ALGORITHMS.get("pfedme")
+    setup = Setup(3, 3, TrainSection(), lambda: build_model("logreg", (4,), 3))
+    algo = entry.obj(entry.params(train_all=True), setup)
+    algo.init_server(torch.zeros(3), torch.zeros(0))
+    msgs = algo.configure(1, [1], "train")
+    assert sorted(msgs) == [0, 1, 2]  # every client trains
+    replies = {cid: Reply({"params": torch.full((3,), float(cid + 1))}, num_examples=10) for cid in msgs}
+    algo.aggregate(1, replies, "train")
+    torch.testing.assert_close(algo.global_params, torch.full((3,), 2.0))  # client 1's model only
+    algo.configure(2, [0, 2], "train")
+    algo.aggregate(2, {0: replies[0], 1: replies[1]}, "train")  # client 2 dropped: only client 0 counts
+    torch.testing.assert_close(algo.global_params, torch.full((3,), 1.0))
+    algo.configure(3, [2], "train")
+    algo.aggregate(3, {0: replies[0]}, "train")  # no sampled client finished: the model stays
+    torch.testing.assert_close(algo.global_params, torch.full((3,), 1.0))
+
+
+def test_train_all_trains_every_client_and_gives_the_sampled_only_global_model(tiny_config):
+    algo = {"name": "pfedme", "lam": 15.0, "personal_lr": 0.05, "inner_steps": 2}
+    sims = {}
+    for train_all in (False, True):
+        cfg = tiny_config(
+            run={"name": f"all{train_all}", "rounds": 3},
+            partition={"local_test_fraction": 0.2},
+            algorithm={**algo, "train_all": train_all},
+        )
+        sims[train_all] = sim = Simulation(cfg)
+        sim.run()
+    sampled, everyone = sims[False], sims[True]
+    n = everyone.fed.num_clients
+    ever_sampled = set().union(*(sampled.sample_clients(r) for r in (1, 2, 3)))
+    assert ever_sampled != set(range(n))  # participation 0.5: some clients were never sampled
+    assert set(everyone.seen) == set(range(n)) and set(sampled.seen) == ever_sampled
+    assert {cid for cid, _ in everyone.executor.store.items()} == set(range(n))  # each has its theta
+    torch.testing.assert_close(everyone.algo.global_params, sampled.algo.global_params, rtol=0, atol=0)
+    final = read_metrics(everyone.run_dir / "metrics.jsonl")[-1]
+    assert final["personal_clients"] == n and final["personal_never_sampled"] == 0 and final["clients"] == n

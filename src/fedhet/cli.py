@@ -148,6 +148,15 @@ def compare(
         ),
     ] = None,
     seeds: Annotated[str | None, typer.Option("--seeds", help="Comma list of seeds, e.g. 0,1,2.")] = None,
+    partitions: Annotated[
+        str | None,
+        typer.Option(
+            "--partitions",
+            help="per-seed: each seed draws its own partition (mean ± std includes partition variance); fixed: every "
+            "seed trains on one partition (partition.seed, else the first seed). Default: compare.partitions, else "
+            "fixed only when the config sets partition.seed. The table says which.",
+        ),
+    ] = None,
     grid: Annotated[
         list[str] | None,
         typer.Option(
@@ -192,6 +201,7 @@ def compare(
             variants,
             seeds,
             grid=grid,
+            partitions=partitions,
             jobs=parse_jobs(jobs),
             threads=threads,
             overwrite=overwrite,
@@ -254,16 +264,19 @@ def report(
 ) -> None:
     """Summarise finished (or running) runs: a mean ± std table over seeds and accuracy-vs-round curves."""
     from fedhet.results.plots import plot_curves
-    from fedhet.results.report import group_runs, load_runs, print_table, summary_table, to_markdown
+    from fedhet.results.report import group_runs, load_runs, partition_note, print_table, summary_table, to_markdown
 
     loaded = load_runs(runs)
     if not loaded:
         raise ConfigError(f"no run folders (with config.json and metrics.jsonl) under {', '.join(map(str, runs))}")
     groups = group_runs(loaded)
     rows = summary_table(groups, metric=metric)
+    note = partition_note(groups)
     print_table(rows, console)
+    if note:
+        console.print(note)
     if markdown:
-        markdown.write_text(to_markdown(rows) + "\n")
+        markdown.write_text(to_markdown(rows) + (f"\n{note}\n" if note else "") + "\n")
         console.print(f"markdown: {markdown}")
     if plot:
         console.print(f"plot: {plot_curves(groups, plot, metric=metric)}")

@@ -24,7 +24,7 @@ import copy
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 from rich.console import Console
@@ -45,6 +45,9 @@ class CompareSpec(Params):
     params: dict[str, dict[str, Any]] = {}  # algorithm name -> its hyper-parameters
     server_params: dict[str, dict[str, Any]] = {}  # server optimiser name -> its hyper-parameters
     grid: dict[str, Any] = {}  # setting -> values to sweep (``partition.alpha = [0.1, 0.5]``)
+    # "per-seed": each seed draws its own partition; "fixed": every seed trains on one (--partitions); None: as the
+    # config says (fixed when it sets partition.seed)
+    partitions: Literal["per-seed", "fixed"] | None = None
 
 
 def parse_spec(table: Any) -> CompareSpec:
@@ -89,6 +92,29 @@ NOT_IN_GRID = {
     "algorithm.name": "--variants (compare.variants)",
     "server.name": "--variants ALGORITHM+SERVER_OPTIMISER",
 }
+
+
+PARTITION_MODES = ("per-seed", "fixed")
+
+
+def apply_partition_mode(base: dict[str, Any], mode: str | None, seeds: list[int]) -> str:
+    """Set ``partition.seed`` in ``base`` for the mode and return what the cells' partitions will be, in words.
+
+    "fixed": the config's partition.seed, else the first seed, for every cell. "per-seed": partition.seed is removed,
+    so each cell's partition follows its run.seed. None: the config decides."""
+    if mode is not None and mode not in PARTITION_MODES:
+        raise ConfigError(f"--partitions must be one of {', '.join(PARTITION_MODES)} (got {shown(mode)})")
+    part = base.get("partition", {})
+    if not isinstance(part, dict):  # build_config refuses it with its own message
+        return ""
+    if mode == "per-seed":
+        part.pop("seed", None)
+    elif mode == "fixed" and part.get("seed") is None:
+        part = base.setdefault("partition", part)
+        part["seed"] = seeds[0]
+    if part.get("seed") is None:
+        return "one per seed (partition.seed follows run.seed)"
+    return f"fixed for every seed (partition.seed = {part['seed']})"
 
 
 def parse_variant(text: str) -> tuple[str, str | None]:
@@ -208,6 +234,7 @@ class Comparison:
     points: dict[str, list[str]]  # grid point folder -> its cells ({"": all} without a grid)
     out_dir: Path
     progress: bool  # run.progress of the base setting: show the live display
+    partitions: str = ""  # what the cells' partitions are, in words (apply_partition_mode)
 
 
 def plan_comparison(
@@ -216,6 +243,7 @@ def plan_comparison(
     variants: str | None = None,
     seeds: str | None = None,
     grid: list[str] | None = None,
+    partitions: str | None = None,
 ) -> Comparison:
     """Every cell's validated config (grid point x seed x variant); raises ConfigError naming a bad cell."""
     from fedhet.engine.simulation import resolve_config
@@ -232,6 +260,7 @@ def plan_comparison(
     else:  # the base setting's own seed; validated with the rest of its config
         run = base.get("run")
         seed_list = [run.get("seed", 0) if isinstance(run, dict) else 0]
+    partitions_text = apply_partition_mode(base, partitions or spec.partitions, seed_list)
     table = spec.model_dump()
     sweep = grid_from_table(spec.grid)
     sweep.update(parse_grid_option(list(grid or [])))
@@ -256,7 +285,7 @@ def plan_comparison(
                 cells.append(Cell(name, cfg))
                 labels[name] = f"{variant} seed {seed}" + (f" {point}" if point else "")
                 points[point].append(name)
-    return Comparison(cells, labels, points, out_dir, base_cfg.run.progress)
+    return Comparison(cells, labels, points, out_dir, base_cfg.run.progress, partitions_text)
 
 
 def print_plan(plan: Comparison, overwrite: bool, console: Console) -> None:
@@ -273,6 +302,7 @@ def print_plan(plan: Comparison, overwrite: bool, console: Console) -> None:
             escape(cell.name), escape(str(cell.run_dir)), str(cell.config.run.rounds), escape(action + detail)
         )
     console.print(table)
+    console.print(escape(f"partitions: {plan.partitions}"))
     if not overwrite:
         check_conflicts(plan.cells, states)
 
@@ -284,6 +314,7 @@ def run_comparison(
     seeds: str | None,
     *,
     grid: list[str] | None = None,
+    partitions: str | None = None,
     jobs: int = 1,
     threads: int | None = None,
     overwrite: bool = False,
@@ -294,7 +325,7 @@ def run_comparison(
     """Run (or continue) every cell, then write the tables and plots; returns the run folders tabulated.
 
     Raises RunFailed, after tabulating the others, when some cells failed."""
-    plan = plan_comparison(config, overrides, variants, seeds, grid)
+    plan = plan_comparison(config, overrides, variants, seeds, grid, partitions)
     if dry_run:
         print_plan(plan, overwrite, console)
         return []
@@ -320,12 +351,15 @@ def run_comparison(
 def tabulate(run_dirs: list[Path], out_dir: Path, console: Console, show: bool = True) -> None:
     """comparison.md and comparison.png in ``out_dir``; the table is printed when ``show``."""
     from fedhet.results.plots import plot_curves
-    from fedhet.results.report import group_runs, load_runs, print_table, summary_table, to_markdown
+    from fedhet.results.report import group_runs, load_runs, partition_note, print_table, summary_table, to_markdown
 
     groups = group_runs(load_runs(run_dirs))
     rows = summary_table(groups, metric="test_acc")
-    (out_dir / "comparison.md").write_text(to_markdown(rows) + "\n")
+    note = partition_note(groups)
+    (out_dir / "comparison.md").write_text(to_markdown(rows) + (f"\n{note}\n" if note else "") + "\n")
     plot = plot_curves(groups, out_dir / "comparison.png", metric="test_acc")
     if show:
         print_table(rows, console)
+        if note:
+            console.print(escape(note))
         console.print(escape(f"table: {out_dir / 'comparison.md'}\nplot:  {plot}"))

@@ -1,8 +1,10 @@
 """FedACD's Tables 1, 2, 3 and 9 from a folder of runs (benchmarks/reproduce/fedacd/run.sh), beside the paper's.
 
-    python benchmarks/reproduce/fedacd/tables.py [RUNS_DIR] [--round R]
+    python benchmarks/reproduce/fedacd/tables.py [RUNS_DIR ...] [--round R]
 
-RUNS_DIR holds alpha<B>/<method>-s<seed> run folders (default runs/reproduce/fedacd-fmnist). Each cell is the mean
+Each RUNS_DIR holds alpha<B>/<method>-s<seed> run folders (default: runs/reproduce/fedacd-fmnist, then the archived
+cells in benchmarks/reproduce/fedacd/results, written by benchmarks/reproduce/archive.py); a cell found in several
+is read from the first. Each cell is the mean
 ± sample std over the seeds that reached round R (default: the config's last round), with the seed count when it is
 not 3; a cell no seed reached is "—". The paper's columns are CIFAR-10 (Tables 1-3) and CIFAR-100 (Table 9, the only
 dataset it reports KL for), copied from notes/fedacd.md section 6. Prints markdown.
@@ -29,6 +31,7 @@ NAMES = {
     "fedacd": "FedACD",
 }
 BETAS = ["0.3", "0.1", "0.05"]
+RESULTS = Path(__file__).parent / "results"  # archived finished cells (benchmarks/reproduce/archive.py)
 
 # The paper's numbers, beta = 0.3 / 0.1 / 0.05 (Tables 1-3: CIFAR-10; Table 9: CIFAR-100).
 PAPER = {
@@ -110,25 +113,35 @@ def cell(runs: list[Path], metric: str, rnd: int) -> str:
     return text if len(values) == 3 else f"{text} ({len(values)} seed{'s' * (len(values) > 1)})"
 
 
-def final_round(root: Path) -> int:
-    for config in root.rglob("config.json"):
-        return int(json.loads(config.read_text())["run"]["rounds"])
-    raise SystemExit(f"no runs under {root}")
+def final_round(roots: list[Path]) -> int:
+    for root in roots:
+        for config in root.rglob("config.json"):
+            return int(json.loads(config.read_text())["run"]["rounds"])
+    raise SystemExit(f"no runs under {', '.join(map(str, roots))}")
+
+
+def seed_runs(roots: list[Path], beta: str, method: str) -> list[Path]:
+    """One folder per seed of a cell, from the first root that has that seed."""
+    found: dict[str, Path] = {}
+    for root in roots:
+        for run in sorted((root / f"alpha{beta}").glob(f"{method}-s*")):
+            found.setdefault(run.name, run)
+    return [found[name] for name in sorted(found)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("root", nargs="?", default="runs/reproduce/fedacd-fmnist", type=Path)
+    parser.add_argument("roots", nargs="*", type=Path, default=[Path("runs/reproduce/fedacd-fmnist"), RESULTS])
     parser.add_argument("--round", type=int, default=None, help="the round to report (default: the last)")
     args = parser.parse_args()
-    rnd = args.round or final_round(args.root)
+    rnd = args.round or final_round(args.roots)
     print(f"Round {rnd}; mean ± std over seeds (3 unless stated).\n")
     for title, metric, paper in TABLES:
         head = "| Method | " + " | ".join(f"β={b}" for b in BETAS)
         head += " | " + " | ".join(f"paper {paper} β={b}" for b in BETAS) if paper else ""
         print(f"### {title}\n\n{head} |\n|" + "---|" * (1 + len(BETAS) * (2 if paper else 1)))
         for m in METHODS:
-            cells = [cell(sorted((args.root / f"alpha{b}").glob(f"{m}-s*")), metric, rnd) for b in BETAS]
+            cells = [cell(seed_runs(args.roots, b, m), metric, rnd) for b in BETAS]
             row = f"| {NAMES[m]} | " + " | ".join(cells)
             print(row + (f" | {PAPER[metric][m]}" if paper else "") + " |")
         print()

@@ -182,6 +182,11 @@ class Algorithm:
         """Extra server-side values to log at an evaluation round (aggregation weights, duals, ...)."""
         return {}
 
+    def extra_eval_params(self) -> dict[str, torch.Tensor]:
+        """Other parameter vectors to score on the global test set at evaluation rounds, by name; each is logged as
+        ``{name}_acc`` and ``{name}_loss`` (FedDyn's server model and client average). They use the global buffers."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "global_params": self.global_params,

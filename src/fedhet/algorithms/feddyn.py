@@ -14,6 +14,16 @@ state) and sends the mean of the sizes known so far as the scalar ``mean_size``;
 partial participation n̄ is the mean over the clients seen so far. The server side always uses the global α, as
 the official code does (its h is the unscaled drift), so the per-client α only changes the local objective.
 
+Which model is reported (``evaluate``; both are scored at every evaluation as ``feddyn_server_acc`` and
+``feddyn_average_acc``, with their losses): "server" (default) reports θ^t above, the model the clients receive next,
+which is what PFLlib's serverdyn.py evaluates (its ``global_model`` after ``aggregate_parameters`` is the mean minus
+h/α, in every version) and so what FedRANE's FedDyn numbers are (FedRANE builds on PFLlib and tests the server's
+``global_model``). "average" reports the plain average of the round's client models, the official code's
+``avg_model`` (utils_methods.py ``train_FedDyn``: ``tst_perf_sel``; its example plots ``tst_perf_all``, the average of
+every client's last model, which is the same under full participation), so FedDyn's own numbers; it swings much less
+between rounds at strong label skew. The reported one is ``global_params`` (evaluated and checkpointed); the server
+model is kept apart and broadcast (``global_message``), the pattern CReFF uses.
+
 α = 0 turns the method off: h stays 0 and the h / α correction is dropped, which is FedAvg with uniform weights.
 The official code's weight decay and gradient clipping are ``train.weight_decay`` and ``train.grad_clip``.
 """
@@ -45,6 +55,9 @@ class FedDynConfig(AlgoConfig):
     # "none": one α for every client (the paper's Algorithm 1). "data_size": α / (n_k / mean n), what the official
     # code always does (identical on its equal-size partitions).
     alpha_scaling: Literal["none", "data_size"] = "none"
+    # Reported as test_acc: "server" = mean - h / α (the paper's θ^t; PFLlib's and so FedRANE's evaluated model),
+    # "average" = plain average of the round's client models (the official code's tst_perf_sel). Both are logged.
+    evaluate: Literal["server", "average"] = "server"
 
 
 @ALGORITHMS.register(
@@ -59,11 +72,19 @@ class FedDyn(Algorithm):
         super().__init__(config, setup, server_opt)
         self.h: torch.Tensor | None = None
         self.client_sizes: dict[int, int] = {}
+        self.server_params: torch.Tensor | None = None  # θ^t, what the clients receive
+        self.average_params: torch.Tensor | None = None  # plain average of the last round's client models
 
     # ----------------------------------------------------------------- server side
     def init_server(self, params: torch.Tensor, buffers: torch.Tensor) -> None:
         super().init_server(params, buffers)
         self.h = torch.zeros_like(params)
+        self.server_params = self.average_params = self.global_params
+
+    def global_message(self, rnd: int) -> Message:
+        msg = super().global_message(rnd)
+        msg.tensors["params"] = self.server_params
+        return msg
 
     def configure(self, rnd: int, cids: list[int], phase: str) -> dict[int, Message]:
         msg = self.global_message(rnd)
@@ -76,9 +97,11 @@ class FedDyn(Algorithm):
         weights = [1.0 / n] * n
         mean = weighted_sum([r.tensors["params"] for r in replies.values()], weights)
         # Σ_k (θ_k − θ^{t−1}) = n (mean − θ^{t−1}); one vector instead of n differences.
-        self.h.sub_(mean - self.global_params, alpha=alpha * n / self.setup.num_clients)
+        self.h.sub_(mean - self.server_params, alpha=alpha * n / self.setup.num_clients)
         target = mean - self.h / alpha if alpha > 0 else mean
-        self.global_params = self.server_opt.step(self.global_params, target)
+        self.server_params = self.server_opt.step(self.server_params, target)
+        self.average_params = mean
+        self.global_params = self.server_params if self.config.evaluate == "server" else mean
         self.average_buffers(replies, weights)
         self.client_sizes.update({cid: r.num_examples for cid, r in replies.items()})
         return {}
@@ -86,12 +109,24 @@ class FedDyn(Algorithm):
     def round_metrics(self, rnd: int) -> dict[str, float]:
         return {"feddyn_h_norm": float(self.h.norm())}
 
+    def extra_eval_params(self) -> dict[str, torch.Tensor]:
+        return {"feddyn_server": self.server_params, "feddyn_average": self.average_params}
+
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "h": self.h, "client_sizes": dict(self.client_sizes)}
+        return {
+            **super().state_dict(),
+            "h": self.h,
+            "client_sizes": dict(self.client_sizes),
+            "server_params": self.server_params,
+            "average_params": self.average_params,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.h = state["h"]
+        # checkpoints written before both models were kept hold only the server model, as global_params
+        self.server_params = state.get("server_params", self.global_params)
+        self.average_params = state.get("average_params", self.global_params)
         self.client_sizes = {int(k): int(v) for k, v in state["client_sizes"].items()}
 
     # ----------------------------------------------------------------- client side

@@ -15,6 +15,12 @@ Choices, against the official code (``QinbinLi/MOON``):
   exactly FedAvg (the projector then gets no gradient). ``projection_layers = 0`` contrasts the representations
   themselves, with no projector, as PFLlib's MOON does (the code base of FedRANE's baselines); with a wide
   representation (FedRANE's CNNModel: 1568) the official head would otherwise cost as much as the whole network.
+* ``classifier = "projection"`` is the official architecture instead (``model.py::ModelFedCon``: the classifier
+  ``l3`` is a Linear(projection_dim, C) on the projector's output, the vector that is contrasted): ``prepare_model``
+  replaces the model's head with projector + that classifier, so the evaluated model is that network. It is the
+  architecture MOON's own numbers came from; the default stays the side-branch projector above. Reproductions:
+  FedRANE's Fashion-MNIST baselines use the default with ``projection_layers = 0`` (PFLlib's MOON); no
+  reproduction config runs MOON's own tables.
 * Previous models are client-held state: the client's last ``pool_size`` locally trained models (parameters and
   buffers), oldest first, replaced first-in first-out. The official pool instead snapshots every client's net
   after every round, so with partial participation a client's negatives there can be its untrained initial net
@@ -25,11 +31,11 @@ Choices, against the official code (``QinbinLi/MOON``):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from fedhet.algorithms.base import ALGORITHMS, ClientContext, Reply, Setup
@@ -50,6 +56,28 @@ class MoonConfig(FedAvgConfig):  # weighting "samples": the official code averag
     # official ModelFedCon: Linear(f, f), ReLU, Linear(f, out_dim); 0: no projector (PFLlib), z = the representation
     projection_layers: int = Field(2, ge=0)
     pool_size: int = Field(1, ge=1)  # official --model_buffer_size default 1
+    # "embedding": logits = the model's head on the representation, the projector a side branch (fedhet's reading;
+    # PFLlib's MOON, with projection_layers = 0). "projection": official ModelFedCon, logits = Linear(projection_dim,
+    # C) on the projector's output, the architecture of MOON's own results.
+    classifier: Literal["embedding", "projection"] = "embedding"
+
+    @model_validator(mode="after")
+    def _projection_needs_a_projector(self) -> MoonConfig:
+        if self.classifier == "projection" and self.projection_layers == 0:
+            raise ValueError("classifier 'projection' needs projection_layers >= 1 (the official head has 2)")
+        return self
+
+
+class ProjectedHead(nn.Module):
+    """The official ModelFedCon's head: the classifier reads the projection, ``classifier(projector(h))``."""
+
+    def __init__(self, projector: nn.Module, classifier: nn.Linear) -> None:
+        super().__init__()
+        self.projector = projector
+        self.classifier = classifier
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.projector(h))
 
 
 def projection_head(in_dim: int, out_dim: int, layers: int) -> nn.Module:
@@ -85,8 +113,16 @@ class Moon(FedAvg):
 
     @classmethod
     def prepare_model(cls, config: MoonConfig, model: FedModel) -> FedModel:
-        model.projector = projection_head(model.embedding_dim, config.projection_dim, config.projection_layers)
+        projector = projection_head(model.embedding_dim, config.projection_dim, config.projection_layers)
+        if config.classifier == "projection":
+            classifier = nn.Linear(config.projection_dim, model.num_classes, bias=model.head.bias is not None)
+            model.head = ProjectedHead(projector, classifier)
+        else:
+            model.projector = projector
         return model
+
+    def projector(self, model: FedModel) -> nn.Module:
+        return model.head.projector if self.config.classifier == "projection" else model.projector
 
     def frozen_models(self, count: int) -> list[FlatModel]:
         while len(self._frozen) < count:
@@ -113,13 +149,17 @@ class Moon(FedAvg):
 
     def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         embedding = ctx.model.body(x)
-        loss = F.cross_entropy(ctx.model.head(embedding), y)
         models = ctx.scratch["moon_models"]
+        if self.config.classifier == "projection":  # one pass: the classifier reads the contrasted projection
+            z = ctx.model.head.projector(embedding)
+            loss = F.cross_entropy(ctx.model.head.classifier(z), y)
+        else:
+            loss = F.cross_entropy(ctx.model.head(embedding), y)
+            z = ctx.model.projector(embedding) if models else None
         if not models:
             return loss
-        z = ctx.model.projector(embedding)
         with torch.no_grad():
-            z_global, *z_prev = [m.projector(m.body(x)) for m in models]
+            z_global, *z_prev = [self.projector(m)(m.body(x)) for m in models]
         return loss + self.config.mu * moon_contrastive_loss(z, z_global, z_prev, self.config.temperature)
 
     def after_local(self, ctx: ClientContext) -> Reply:

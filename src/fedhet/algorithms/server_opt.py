@@ -3,11 +3,18 @@
 Each algorithm's ``aggregate`` proposes a target model (for FedAvg: the weighted average of the client models). The
 server optimiser turns the pseudo-gradient ``delta = target - x`` into the step actually taken, so any client-side
 method composes with any server optimiser. ``sgd`` with ``lr = 1`` is plain replacement by the target.
+
+The adaptive optimisers default to Reddi et al.'s Algorithm 2 (``form = "reddi"``: v_{-1} = tau^2, no bias
+correction). ``form = "flower"`` is what Flower 1.41's strategies (flwr.serverapp.strategy FedAdam / FedYogi /
+FedAdagrad) compute, for comparing with Flower users' runs: the second moment starts at 0, and FedAdam (only FedAdam
+there) scales its step by sqrt(1 - beta2^(t+1)) / (1 - beta1^(t+1)) at server round t. Flower counts t in rounds;
+we count the server optimiser's steps, which is the same unless a round had no reply to aggregate. Flower's
+defaults differ from ours (its FedAdam lr 0.1, FedAdagrad beta1 0); set them explicitly to compare.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import ConfigDict, Field, model_validator
@@ -36,6 +43,9 @@ class AdaptiveParams(_Params):
     beta1: float = Field(0.9, ge=0.0, lt=1.0)  # Reddi et al. 2021, Sec. 5
     beta2: float = Field(0.99, ge=0.0, lt=1.0)  # Reddi et al. 2021, Sec. 5
     tau: float = Field(1e-3, gt=0.0)  # adaptivity; Reddi et al. 2021 default 1e-3
+    # "reddi": Reddi et al. 2021, Alg. 2 (v starts at tau^2, no bias correction). "flower": flwr 1.41's strategies
+    # (v starts at 0; FedAdam's step bias-corrected), see the module docstring.
+    form: Literal["reddi", "flower"] = "reddi"
 
 
 class ServerOptimizer:
@@ -76,26 +86,41 @@ class FedAvgM(ServerOptimizer):
 
 
 class _Adaptive(ServerOptimizer):
-    """Reddi et al. 2021, Algorithm 2 (no bias correction, as in the paper)."""
+    """Reddi et al. 2021, Algorithm 2 (no bias correction, as in the paper), or Flower's form (``form``)."""
 
     def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def step_scale(self, t: int) -> float:
+        """Factor on the server lr at step t (1-based) in Flower's form; 1 = no bias correction."""
+        return 1.0
+
     def step(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         p = self.params
+        flower = p.form == "flower"
         delta = target - x
         m = self.state.get("m", torch.zeros_like(x))
-        v = self.state.get("v", torch.full_like(x, p.tau**2))  # v_{-1} >= tau^2 (Reddi et al., Alg. 2)
+        v = self.state.get("v", torch.full_like(x, 0.0 if flower else p.tau**2))  # Reddi: v_{-1} >= tau^2 (Alg. 2)
         m = p.beta1 * m + (1 - p.beta1) * delta
         v = self.second_moment(v, delta * delta)
         self.state.update(m=m, v=v)
-        return x + p.lr * m / (v.sqrt() + p.tau)
+        lr = p.lr
+        if flower:
+            t = int(self.state.get("t", 0)) + 1
+            self.state["t"] = torch.tensor(t)
+            lr *= self.step_scale(t)
+        return x + lr * m / (v.sqrt() + p.tau)
 
 
 @SERVER_OPTIMIZERS.register("fedadam", "FedAdam (Reddi et al. 2021): Adam on the pseudo-gradient", AdaptiveParams)
 class FedAdam(_Adaptive):
     def second_moment(self, v: torch.Tensor, d2: torch.Tensor) -> torch.Tensor:
         return self.params.beta2 * v + (1 - self.params.beta2) * d2
+
+    def step_scale(self, t: int) -> float:
+        # flwr 1.41 FedAdam.aggregate_train: eta * sqrt(1 - beta_2^(round + 1)) / (1 - beta_1^(round + 1))
+        p = self.params
+        return (1 - p.beta2 ** (t + 1)) ** 0.5 / (1 - p.beta1 ** (t + 1))
 
 
 @SERVER_OPTIMIZERS.register(

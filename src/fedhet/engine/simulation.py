@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -42,7 +43,23 @@ from fedhet.engine.rundir import (
 )
 from fedhet.engine.state import build_state_store
 from fedhet.errors import ConfigError, RunFailed
+from fedhet.registry import Registry
 from fedhet.results.store import MetricsLog, read_json, read_metrics, truncate_after, write_json_atomic
+
+
+def component_registries() -> tuple[tuple[str, Registry], ...]:
+    """The config sections that name a registered component, with their registries."""
+    from fedhet.data.datasets import DATASETS
+    from fedhet.data.partition import PARTITIONERS
+    from fedhet.models import MODELS
+
+    return (
+        ("dataset", DATASETS),
+        ("partition", PARTITIONERS),
+        ("model", MODELS),
+        ("algorithm", ALGORITHMS),
+        ("server", SERVER_OPTIMIZERS),
+    )
 
 
 def resolve_config(cfg: Config) -> dict[str, Any]:
@@ -50,18 +67,8 @@ def resolve_config(cfg: Config) -> dict[str, Any]:
 
     This runs before any data is loaded, so a wrong name or value fails in a second, not after a download.
     """
-    from fedhet.data.datasets import DATASETS
-    from fedhet.data.partition import PARTITIONERS
-    from fedhet.models import MODELS
-
     out = cfg.to_dict()
-    for section, registry in (
-        ("dataset", DATASETS),
-        ("partition", PARTITIONERS),
-        ("model", MODELS),
-        ("algorithm", ALGORITHMS),
-        ("server", SERVER_OPTIMIZERS),
-    ):
+    for section, registry in component_registries():
         comp = getattr(cfg, section)
         entry, parsed = registry.parse(comp.name, comp.params())
         params = parsed.model_dump(mode="json") if parsed is not None else {}
@@ -129,12 +136,39 @@ LOCATION = ("run.out_dir", "run.name")
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """The settings (as "section.key: old -> new") that forbid resuming a run saved with ``saved``."""
+    """The settings (as "section.key: old -> new") that forbid resuming a run saved with ``saved``.
+
+    A component parameter the saved config lacks counts as unchanged while it holds its default: it was added after
+    the run was saved, and a new parameter's default keeps the behaviour it had before. An unset ``partition.seed``
+    is the run seed (``build_federation``), so setting it to that value changes nothing either."""
     from fedhet.results.report import flatten
 
     old, new = flatten(saved), flatten(current)
+    for flat in (old, new):
+        if flat.get("partition.seed") is None and "run.seed" in flat:
+            flat["partition.seed"] = flat["run.seed"]
+    added = component_defaults(current)
     keys = sorted((set(old) | set(new)) - set(RESUMABLE_CHANGES) - set(LOCATION))
-    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)]
+    return [
+        f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
+        for k in keys
+        if old.get(k) != new.get(k) and not (k not in old and k in added and new[k] == added[k])
+    ]
+
+
+def component_defaults(resolved: dict[str, Any]) -> dict[str, Any]:
+    """ "section.key" -> default value (as the resolved config writes it) of the parameters of each named component."""
+    out = {}
+    for section, registry in component_registries():
+        entry = registry.get(resolved[section]["name"]) if section in resolved else None
+        if entry is None or entry.params is None:
+            continue
+        try:
+            defaults = entry.params().model_dump(mode="json")
+        except ValidationError:  # a parameter without a default: none of them counts as added
+            continue
+        out.update({f"{section}.{key}": value for key, value in defaults.items()})
+    return out
 
 
 @dataclass
@@ -360,6 +394,7 @@ class Simulation:
         self.flat.set_buffers(self.algo.global_buffers)
         metrics = evaluate_global(self.model, self.eval_fed, self.cfg.run.eval_batch_size, self.dist_samples())
         metrics.update(self.local_model_metrics(result.replies))
+        metrics.update(self.extra_model_metrics())
         acc = metrics["test_acc"]
         self.ema = acc if self.ema is None else self.cfg.run.ema * self.ema + (1 - self.cfg.run.ema) * acc
         replies = result.replies
@@ -413,6 +448,18 @@ class Simulation:
         out = {"local_risk": float(np.mean(risks))}
         if kls:
             out["local_kl"] = float(np.mean(kls))
+        return out
+
+    def extra_model_metrics(self) -> dict[str, float]:
+        """Accuracy and loss on the global test set of the other models the algorithm asks to have scored."""
+        out = {}
+        fed = self.fed
+        for name, params in self.algo.extra_eval_params().items():
+            self.flat.set_params(params)
+            stats = evaluate(self.model, fed.x_test, fed.y_test, fed.num_classes, self.cfg.run.eval_batch_size)
+            out[f"{name}_acc"], out[f"{name}_loss"] = stats.acc, stats.loss
+        if out:
+            self.flat.set_params(self.algo.global_params)
         return out
 
     def personal_metrics(self, rnd: int) -> dict[str, Any]:

@@ -139,6 +139,37 @@ def group_runs(runs: list[Run]) -> list[Group]:
     return result
 
 
+def partition_seed(run: Run) -> Any:
+    """The seed the run's partition was drawn with: ``partition.seed``, else ``run.seed``."""
+    part = run.config.get("partition", {}).get("seed")
+    return run.config.get("run", {}).get("seed") if part is None else part
+
+
+def partition_note(groups: list[Group]) -> str | None:
+    """Whether the seeds of a row trained on one partition or on one each, so a reader knows what ± includes.
+
+    None when no row has two seeds."""
+    fixed, per_seed = [], []
+    for group in groups:
+        if len(group.runs) < 2:
+            continue
+        seeds = {partition_seed(run) for run in group.runs}
+        (fixed if len(seeds) == 1 else per_seed).append(group)
+    if not fixed and not per_seed:
+        return None
+    shared = "the seeds of each row share one partition ({}), so ± is over training randomness only"
+    drawn = "each seed draws its own partition (partition.seed follows run.seed), so ± includes partition variance"
+    if not per_seed:
+        seeds = sorted({str(partition_seed(g.runs[0])) for g in fixed})
+        return "Seeds: " + shared.format("partition seed " + ", ".join(seeds))
+    if not fixed:
+        return "Seeds: " + drawn
+    return (
+        f"Seeds: rows differ. {', '.join(g.label for g in fixed)}: {shared.format('fixed partition.seed')}; "
+        f"{', '.join(g.label for g in per_seed)}: {drawn}."
+    )
+
+
 def make_labels(settings: list[dict[str, Any]]) -> list[str]:
     """Algorithm name plus the settings whose values differ between groups; unique and short."""
     keys = differing_keys(settings, presence_counts=False)

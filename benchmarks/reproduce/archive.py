@@ -1,0 +1,71 @@
+"""Keep the small result files of finished reproduction cells in the repository, so tables survive the run folders.
+
+    python benchmarks/reproduce/archive.py RUNS_DIR DEST
+    e.g. RUNS_DIR = runs/reproduce/fedacd-fmnist, DEST = benchmarks/reproduce/fedacd/results
+
+Run folders live under runs/, which git ignores, and a new machine starts without them; a cell that took an hour
+should not have to run again just to print a table. For every run folder under RUNS_DIR whose summary.json says
+"finished", this copies config.json, metrics.jsonl, summary.json and provenance.json (a few kB; no checkpoints) to
+the same relative place under DEST. A cell already in DEST is replaced only when the new copy has more rounds, and
+never when its config differs (that is a different experiment: the script stops with the cell's name). The tables
+scripts read DEST beside RUNS_DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+FILES = ("config.json", "metrics.jsonl", "summary.json", "provenance.json")
+
+
+def finished_runs(root: Path) -> list[Path]:
+    runs = []
+    for summary in sorted(root.rglob("summary.json")):
+        if json.loads(summary.read_text()).get("status") == "finished":
+            runs.append(summary.parent)
+    return runs
+
+
+def comparable_config(run: Path) -> dict:
+    """The config without what may differ between two runs of the same cell (where it lives, how long it ran)."""
+    config = json.loads((run / "config.json").read_text())
+    for key in ("out_dir", "name", "rounds", "progress", "workers", "executor", "checkpoint_every"):
+        config["run"].pop(key, None)
+    return config
+
+
+def rounds_done(run: Path) -> int:
+    return int(json.loads((run / "summary.json").read_text())["rounds_done"])
+
+
+def archive(root: Path, dest: Path) -> list[str]:
+    copied = []
+    for run in finished_runs(root):
+        target = dest / run.relative_to(root)
+        if (target / "config.json").exists():
+            if comparable_config(target) != comparable_config(run):
+                raise SystemExit(f"{target}: archived with another config; move it away first")
+            if rounds_done(target) >= rounds_done(run):
+                continue
+        target.mkdir(parents=True, exist_ok=True)
+        for name in FILES:
+            if (run / name).exists():
+                shutil.copy2(run / name, target / name)
+        copied.append(str(run.relative_to(root)))
+    return copied
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("root", type=Path)
+    parser.add_argument("dest", type=Path)
+    args = parser.parse_args()
+    copied = archive(args.root, args.dest)
+    print(f"archived {len(copied)} cell(s) into {args.dest}" + "".join(f"\n  {c}" for c in copied))
+
+
+if __name__ == "__main__":
+    main()

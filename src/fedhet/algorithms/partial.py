@@ -1,0 +1,65 @@
+"""What FedPer and FedBABU share: the last layers of the model as one slice of the flat parameter vector that the
+server never moves.
+
+A *layer* is a module that owns parameters directly (a Linear, a convolution, a normalisation layer), counted from
+the output: layer 1 is the head, layer 2 the module just below it, and so on. ``FedModel`` registers the body before
+the head, so the last ``k`` layers are the tail of the flat vector, one contiguous slice.
+
+``KeptSlice`` is the server half: the replies are averaged as FedAvg does, except in the kept slice, where the global
+values stay bit for bit whatever the server optimiser (FedPer: every client's initial personal layers; FedBABU: the
+frozen random head).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from fedhet.algorithms.base import Reply, weighted_sum
+from fedhet.engine.flat import FlatModel
+from fedhet.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedhet.models.base import FedModel
+
+
+def layer_spans(model: FedModel) -> list[tuple[str, slice]]:
+    """Each module owning parameters directly, in flat order, with the span of its parameters."""
+    spans: dict[str, slice] = {}
+    for name, span in FlatModel(model).slices().items():
+        owner = name.rpartition(".")[0]
+        first = spans.get(owner, span)
+        spans[owner] = slice(first.start, span.stop)  # a module's own parameters are adjacent in the flat order
+    return list(spans.items())
+
+
+def top_layers(build_model: Callable[[], FedModel], layers: int, key: str) -> tuple[slice, list[str]]:
+    """The slice of the last ``layers`` layers and their module names; ``key`` names the setting in errors."""
+    with torch.random.fork_rng(devices=[]):  # building draws weights; the run's random stream must not move
+        spans = layer_spans(build_model())
+    if layers > len(spans):
+        raise ConfigError(
+            f"{key}: must be at most {len(spans)}, the number of layers with parameters in this model (got {layers})"
+        )
+    tail = spans[-layers:]
+    return slice(tail[0][1].start, tail[-1][1].stop), [name for name, _ in tail]
+
+
+class KeptSlice:
+    """Server side of an algorithm whose slice ``kept`` of the global vector never moves (mixed into FedAvg)."""
+
+    kept: slice
+
+    def aggregate(self, rnd: int, replies: dict[int, Reply], phase: str) -> dict[str, float]:
+        weights = self.aggregation_weights(replies)
+        target = weighted_sum([r.tensors["params"] for r in replies.values()], weights)
+        # A zero pseudo-gradient in the slice, and the old values put back after the step: an average of equal
+        # values need not round back to them, and no server optimiser may move the slice.
+        target[self.kept] = self.global_params[self.kept]
+        params = self.server_opt.step(self.global_params, target)
+        params[self.kept] = self.global_params[self.kept]
+        self.global_params = params
+        self.average_buffers(replies, weights)
+        return {}

@@ -1,0 +1,70 @@
+"""benchmarks/reproduce/archive.py keeps finished cells' result files; the FedACD tables read them beside runs/."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPRODUCE = Path(__file__).parents[1] / "benchmarks" / "reproduce"
+
+
+def load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_run(folder: Path, status: str, rounds: int, acc: float, lr: float = 0.01) -> Path:
+    folder.mkdir(parents=True)
+    config = {"run": {"name": folder.name, "out_dir": str(folder.parent), "rounds": rounds}, "train": {"lr": lr}}
+    (folder / "config.json").write_text(json.dumps(config))
+    records = [{"round": r, "test_acc": acc} for r in range(1, rounds + 1)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (folder / "summary.json").write_text(json.dumps({"status": status, "rounds_done": rounds}))
+    (folder / "checkpoints").mkdir()
+    (folder / "checkpoints" / "last.pt").write_bytes(b"x" * 100)
+    return folder
+
+
+def test_archive_copies_finished_cells_without_checkpoints(tmp_path):
+    archive = load(REPRODUCE / "archive.py")
+    runs, dest = tmp_path / "runs", tmp_path / "results"
+    make_run(runs / "alpha0.1" / "fedavg-s0", "finished", 3, 0.5)
+    make_run(runs / "alpha0.1" / "fedacd-s0", "stopped", 2, 0.6)
+    assert archive.archive(runs, dest) == ["alpha0.1/fedavg-s0"]
+    kept = dest / "alpha0.1" / "fedavg-s0"
+    assert sorted(p.name for p in kept.iterdir()) == ["config.json", "metrics.jsonl", "summary.json"]
+    assert not (dest / "alpha0.1" / "fedacd-s0").exists()
+    assert archive.archive(runs, dest) == []  # nothing newer: left alone
+
+
+def test_archive_replaces_a_shorter_copy_and_refuses_another_config(tmp_path):
+    archive = load(REPRODUCE / "archive.py")
+    runs, dest = tmp_path / "runs", tmp_path / "results"
+    make_run(dest / "a" / "fedavg-s0", "finished", 2, 0.5)
+    make_run(runs / "a" / "fedavg-s0", "finished", 4, 0.7)  # the same cell extended to more rounds
+    assert archive.archive(runs, dest) == ["a/fedavg-s0"]
+    assert json.loads((dest / "a" / "fedavg-s0" / "summary.json").read_text())["rounds_done"] == 4
+    make_run(runs / "b" / "fedavg-s0", "finished", 4, 0.7, lr=0.1)
+    make_run(dest / "b" / "fedavg-s0", "finished", 4, 0.7)
+    with pytest.raises(SystemExit, match="another config"):
+        archive.archive(runs, dest)
+
+
+def test_fedacd_tables_read_archived_cells_beside_runs(tmp_path):
+    runs, results = tmp_path / "runs", tmp_path / "results"
+    make_run(runs / "alpha0.1" / "fedavg-s0", "finished", 2, 0.70)
+    make_run(results / "alpha0.1" / "fedavg-s0", "finished", 2, 0.10)  # shadowed by runs/
+    make_run(results / "alpha0.1" / "fedavg-s1", "finished", 2, 0.80)
+    script = REPRODUCE / "fedacd" / "tables.py"
+    out = subprocess.run(
+        [sys.executable, str(script), str(runs), str(results)], capture_output=True, text=True, check=True
+    ).stdout
+    fedavg = next(line for line in out.splitlines() if line.startswith("| FedAvg |"))
+    assert "| 75.00 ± 7.07 (2 seeds) |" in fedavg
