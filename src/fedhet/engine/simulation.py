@@ -453,7 +453,7 @@ class Simulation:
     def extra_model_metrics(self) -> dict[str, float]:
         """Accuracy and loss on the global test set of the other models the algorithm asks to have scored."""
         out = {}
-        fed = self.fed
+        fed = self.eval_fed
         for name, params in self.algo.extra_eval_params().items():
             self.flat.set_params(params)
             stats = evaluate(self.model, fed.x_test, fed.y_test, fed.num_classes, self.cfg.run.eval_batch_size)
