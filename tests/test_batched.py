@@ -41,6 +41,7 @@ ALGORITHMS = [
     {"name": "fedbabu"},
     {"name": "fedmtl", "lam": 0.5},
     {"name": "fedmtl", "lam": 0.01, "omega": "learned"},
+    {"name": "fedmeta"},  # FedAvg's clients; the server's fine-tuning is the same on both executors
 ]
 # momentum and weight decay, unequal client sizes (Dirichlet), every client of the federation in the round
 TRAIN = {"participation": 1.0, "momentum": 0.9, "weight_decay": 1e-3, "grad_clip": 2.0}

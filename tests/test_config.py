@@ -292,7 +292,7 @@ def test_nesterov_needs_momentum():
         (
             ["partition.num_client=5"],
             "unknown key 'partition.num_client' for partitioner 'dirichlet'; valid keys in [partition]: name, "
-            "num_clients, seed, local_test_fraction, merge_test, alpha, min_size, max_tries",
+            "num_clients, seed, local_test_fraction, local_test, merge_test, alpha, min_size, max_tries",
         ),
         (["algorithm.foo=1"], "unknown key 'algorithm.foo' for algorithm 'fedavg'; valid keys in [algorithm]: name,"),
         (["server.foo=1"], "unknown key 'server.foo' for server optimiser 'sgd'; valid keys in [server]: name, lr"),

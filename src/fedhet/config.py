@@ -143,6 +143,17 @@ class TrainSection(_Strict):
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float | None = Field(None, gt=0.0)  # max global gradient norm
     augment: Literal["none", "crop_flip", "crop_flip_rotate", "crop"] = "none"
+    # how a round's clients are chosen: "uniform" at random; "dynamic" is FedUFO's dynamic sampling (Sec. 3.3.2):
+    # a sampling_worst share of them are the clients the current global model serves worst, the rest at random
+    sampling: Literal["uniform", "dynamic"] = "uniform"
+    sampling_worst: float = Field(0.5, ge=0.0, le=1.0)  # FedUFO: K_c / 2 lowest-performing clients
+    # "performance" for dynamic sampling (notes/fedufo.md reading 11): the global model's accuracy on each client
+    # as the fairness metrics measure it ("eval": its local test data, else its distribution-weighted test accuracy;
+    # the notes' proposal), or on the client's training data ("train")
+    sampling_measure: Literal["eval", "train"] = "eval"
+    # re-measure every N rounds (reading 11: every round, or every run.eval_every rounds); the values are
+    # checkpointed, so a resumed run samples what the uninterrupted one does
+    sampling_refresh: int = Field(1, ge=1)
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> TrainSection:
@@ -177,6 +188,11 @@ class PartitionSection(_Component):
     num_clients: int = Field(20, ge=1)
     seed: Seed | None = None  # default: run.seed
     local_test_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # FedRANE 0.25, FedBC 0.2
+    # where a client's local test data come from: "split" = local_test_fraction of its own training data; "matched"
+    # = the official test set dealt to clients like their training data (each class in proportion to the training
+    # samples of it they hold; per-class shards get the same shards of the test set: FedUFO, notes/fedufo.md
+    # reading 12), so fairness is measured on test data that follow each client's classes
+    local_test: Literal["split", "matched"] = "split"
     merge_test: bool = False  # partition train+test together (FedBC's power-law protocol)
 
 
@@ -204,6 +220,12 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _check(self) -> Config:
         n = self.partition.num_clients
+        part = self.partition
+        if part.local_test == "matched" and (part.local_test_fraction > 0 or part.merge_test):
+            raise ValueError(
+                "partition.local_test='matched' takes the clients' test data from the official test set; it cannot "
+                "be combined with partition.local_test_fraction > 0 or partition.merge_test (use local_test='split')"
+            )
         if self.train.clients_per_round is not None and self.train.clients_per_round > n:
             raise ValueError(
                 f"train.clients_per_round={self.train.clients_per_round} exceeds partition.num_clients={n}"

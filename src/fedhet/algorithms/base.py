@@ -208,6 +208,12 @@ class Algorithm:
     # ``after_local``. Each hook then runs on its client's row of the stacked parameters. Not inherited: a subclass
     # that changes the loss (FedLC, MOON, ...) is sequential unless it declares it too.
     batchable: ClassVar[bool] = False
+    # True: the simulation trains one client holding every client's training data and evaluates on the partition's
+    # clients (the centralized upper bound); not possible over Flower, where the data stay on the nodes
+    pools_clients: ClassVar[bool] = False
+    # True: a data-sharing method; the engine hands the server the clients' shared copies through
+    # ``receive_shared_data(fed, seed)`` before round 1 (FedMeta)
+    shares_data: ClassVar[bool] = False
     personalized: ClassVar[bool] = False  # True: the engine reports personalised accuracy via ``personalize``
     # Key prefix of the personalised metrics ({prefix}_acc_micro, ...). An algorithm whose personalisation breaks
     # the protocol (FedBC-FineTune fine-tuned on test data) returns a different one, so its numbers stay marked.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -35,6 +35,16 @@ class FederatedDataset:
     @property
     def has_local_test(self) -> bool:
         return self.clients[0].y_test is not None
+
+    def pooled(self) -> FederatedDataset:
+        """One client holding every client's training data, in client order (the centralized upper bound). The
+        clients' local test data are left out: they stay with the partition, on which evaluation is measured."""
+        one = ClientData(
+            x=torch.cat([c.x for c in self.clients]),
+            y=torch.cat([c.y for c in self.clients]),
+            num_classes=self.num_classes,
+        )
+        return replace(self, clients=[one], train_counts=self.train_counts.sum(axis=0, keepdims=True))
 
     def label_distribution(self) -> np.ndarray:
         """Each client's training label proportions pi^m (rows sum to 1)."""
@@ -73,11 +83,14 @@ def federate(
     merged: bool = False,
     seed: int = 0,
     device: torch.device | str = "cpu",
+    test_parts: list[np.ndarray] | None = None,
 ) -> FederatedDataset:
     """Build client tensors from ``parts`` (indices into ``ds.x_train``, or into train+test when ``merged``).
 
     The global test set is the official one, unless the dataset has none or was merged, in which case it is the
     union of the clients' local test splits (FedBC's protocol); that needs ``local_test_fraction > 0``.
+    ``test_parts`` (indices into ``ds.x_test``, one array per client) give each client local test data taken from
+    the official test set instead of a split of its own training data; the global test set stays the whole one.
     """
     use_local_union = merged or not ds.has_test_set
     if use_local_union and local_test_fraction <= 0:
@@ -93,27 +106,30 @@ def federate(
     rng = np.random.default_rng([seed, 0x5EED])
     x_t = torch.from_numpy(np.ascontiguousarray(x_all)).to(device)
     y_t = torch.from_numpy(np.ascontiguousarray(y_all)).long().to(device)
-    clients, counts, test_parts = [], [], []
-    for idx in parts:
-        tr, te = _split_local(np.asarray(idx), local_test_fraction, rng)
-        tr_t, te_t = torch.from_numpy(tr).to(device), torch.from_numpy(te).to(device)
-        clients.append(
-            ClientData(
-                x=x_t[tr_t],
-                y=y_t[tr_t],
-                num_classes=ds.num_classes,
-                x_test=x_t[te_t] if local_test_fraction > 0 else None,
-                y_test=y_t[te_t] if local_test_fraction > 0 else None,
-            )
-        )
-        counts.append(np.bincount(y_all[tr], minlength=ds.num_classes))
-        test_parts.append(te)
     if use_local_union:
-        te_all = torch.from_numpy(np.concatenate(test_parts)).to(device)
-        x_test, y_test, source = x_t[te_all], y_t[te_all], "local-union"
+        x_test = y_test = None
     else:
         x_test = torch.from_numpy(np.ascontiguousarray(normalise(ds.x_test, ds))).to(device)
         y_test = torch.from_numpy(np.ascontiguousarray(ds.y_test)).long().to(device)
+    if test_parts is not None and (use_local_union or local_test_fraction > 0):
+        raise DataError("local test data come either from the official test set or from a split, not both")
+    clients, counts, held_out = [], [], []
+    for i, idx in enumerate(parts):
+        tr, te = _split_local(np.asarray(idx), local_test_fraction, rng)
+        tr_t, te_t = torch.from_numpy(tr).to(device), torch.from_numpy(te).to(device)
+        client = ClientData(x=x_t[tr_t], y=y_t[tr_t], num_classes=ds.num_classes)
+        if local_test_fraction > 0:
+            client.x_test, client.y_test = x_t[te_t], y_t[te_t]
+        elif test_parts is not None:
+            mine = torch.from_numpy(np.asarray(test_parts[i], np.int64)).to(device)
+            client.x_test, client.y_test = x_test[mine], y_test[mine]
+        clients.append(client)
+        counts.append(np.bincount(y_all[tr], minlength=ds.num_classes))
+        held_out.append(te)
+    if use_local_union:
+        te_all = torch.from_numpy(np.concatenate(held_out)).to(device)
+        x_test, y_test, source = x_t[te_all], y_t[te_all], "local-union"
+    else:
         source = "official"
     return FederatedDataset(
         name=ds.name,

@@ -34,6 +34,11 @@ class BalancedDirichletParams(NoParams):
 
 class ShardsParams(NoParams):
     shards_per_client: int = Field(2, ge=1)
+    # None: each class gets a share of the shards proportional to its size (McMahan et al.'s sort-and-cut, kept
+    # inside classes); a number: every class is cut into exactly that many shards (FedUFO Sec. 4.1.1: "data of each
+    # category is divided into 20 shards"), so num_classes * shards_per_class must equal num_clients *
+    # shards_per_client
+    shards_per_class: int | None = Field(None, ge=1)
 
 
 class KClassesParams(NoParams):
@@ -65,6 +70,25 @@ def partition(name: str, labels, num_clients: int, seed: int, groups=None, **par
         if groups.shape != labels.shape:
             raise DataError(f"groups of shape {groups.shape} do not match labels of shape {labels.shape}")
     return entry.obj(labels, num_clients, np.random.default_rng(seed), groups=groups, **params)
+
+
+def match_test(labels_test: np.ndarray, train_counts: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+    """Deal the test set to clients like their training data: each class's test samples, in random order, go to the
+    clients holding that class in proportion to how many training samples of it they hold (largest remainder).
+
+    With per-class shards this is the shard mechanism applied to the test set (FedUFO, notes/fedufo.md reading 12):
+    a client holding 2 of a class's 20 training shards gets 2/20 of that class's test samples. Test samples of a
+    class no client holds go to nobody."""
+    labels_test = np.asarray(labels_test)
+    owner = np.full(len(labels_test), -1, np.int64)
+    for c in range(train_counts.shape[1]):
+        holders = np.flatnonzero(train_counts[:, c])
+        pool = rng.permutation(np.flatnonzero(labels_test == c))
+        if len(holders) == 0 or len(pool) == 0:
+            continue
+        sizes = apportion(len(pool), train_counts[holders, c].astype(float))
+        owner[pool] = np.repeat(holders, sizes)
+    return parts_from_owner(owner, len(train_counts))
 
 
 def label_counts(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> np.ndarray:
@@ -216,12 +240,27 @@ def shards(labels, num_clients, rng, *, groups=None, **params) -> list[np.ndarra
             f"shards: {num_clients} clients x {p.shards_per_client} shards = {total} shards cannot keep "
             f"{len(pools)} classes apart; use more clients or shards_per_client"
         )
-    per_class = shard_counts(np.array([len(v) for v in pools.values()]), total)
+    per_class = shards_of_classes("shards", pools, total, p.shards_per_class)
     pieces = [s for pool, k in zip(pools.values(), per_class, strict=True) for s in np.array_split(pool, k)]
     owner = np.empty(len(labels), np.int64)
     for shard, piece in zip(rng.permutation(total), pieces, strict=True):
         owner[piece] = shard // p.shards_per_client
     return parts_from_owner(owner, num_clients)
+
+
+def shards_of_classes(name: str, pools: dict[int, np.ndarray], total: int, per_class: int | None) -> np.ndarray:
+    """How many shards each class is cut into: proportional to class size, or ``per_class`` for every class."""
+    sizes = np.array([len(v) for v in pools.values()])
+    if per_class is None:
+        return shard_counts(sizes, total)
+    if per_class * len(pools) != total:
+        raise DataError(
+            f"{name}: shards_per_class={per_class} x {len(pools)} classes = {per_class * len(pools)} shards, but "
+            f"num_clients x shards_per_client = {total}; make them equal (FedUFO: 10 x 20 = 100 x 2)"
+        )
+    if per_class > sizes.min():
+        raise DataError(f"{name}: shards_per_class={per_class} exceeds the smallest class ({sizes.min()} samples)")
+    return np.full(len(pools), per_class)
 
 
 def shard_counts(class_sizes: np.ndarray, total: int) -> np.ndarray:

@@ -60,8 +60,8 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: in
 
 
 @torch.no_grad()
-def local_test_acc(model: nn.Module, clients: list, batch_size: int) -> np.ndarray:
-    """Each client's accuracy on its local test split (NaN where the split is empty).
+def local_test_acc(model: nn.Module, clients: list, batch_size: int, on_train: bool = False) -> np.ndarray:
+    """Each client's accuracy on its local test split, or with ``on_train`` on its training data (NaN where empty).
 
     The splits are evaluated in full batches drawn across clients, so 10,000 clients of a few samples cost what their
     union costs, not 10,000 forward passes (the model is in eval mode: a sample's prediction does not depend on the
@@ -69,7 +69,8 @@ def local_test_acc(model: nn.Module, clients: list, batch_size: int) -> np.ndarr
     was_training = model.training
     model.eval()
     hits = np.zeros(len(clients))
-    counts = np.array([len(c.y_test) for c in clients], dtype=np.float64)
+    data = [(c.x, c.y) if on_train else (c.x_test, c.y_test) for c in clients]
+    counts = np.array([len(y) for _, y in data], dtype=np.float64)
     xs, ys, owners = [], [], []
 
     def flush() -> None:
@@ -80,10 +81,10 @@ def local_test_acc(model: nn.Module, clients: list, batch_size: int) -> np.ndarr
             xs.clear(), ys.clear(), owners.clear()
 
     pending = 0
-    for i, c in enumerate(clients):
-        for start in range(0, len(c.y_test), batch_size):
-            y = c.y_test[start : start + batch_size]
-            xs.append(c.x_test[start : start + batch_size])
+    for i, (x_c, y_c) in enumerate(data):
+        for start in range(0, len(y_c), batch_size):
+            y = y_c[start : start + batch_size]
+            xs.append(x_c[start : start + batch_size])
             ys.append(y)
             owners.append(np.full(len(y), i))
             pending += len(y)
@@ -168,12 +169,23 @@ def evaluate_global(
     out = {"test_acc": stats.acc, "test_loss": stats.loss, "client_dist_acc": float(dist_acc.mean())}
     if samples is not None:
         out["client_dist_acc_sampled"] = sampled_distribution_acc(stats.hits, samples)
-    if fed.has_local_test:
-        # Each client's own held-out split: the exact per-client accuracy of the global model.
-        # A client whose split is empty falls back to its distribution-weighted accuracy.
-        acc = local_test_acc(model, fed.clients, batch_size)
-        per_client = np.where(np.isnan(acc), dist_acc, acc)
-    else:
-        per_client = dist_acc
-    out.update(fairness(per_client, fed.sizes))
+    out.update(fairness(client_accuracy(model, fed, batch_size, dist_acc=dist_acc), fed.sizes))
     return out
+
+
+def client_accuracy(
+    model: nn.Module, fed: FederatedDataset, batch_size: int, on_train: bool = False, dist_acc: np.ndarray | None = None
+) -> np.ndarray:
+    """Each client's accuracy of the model, as the fairness metrics measure it: on the client's own local test data
+    (the exact per-client accuracy), or with ``on_train`` on its training data; a client without such data gets its
+    distribution-weighted accuracy on the global test set (``dist_acc``, computed here when not given)."""
+    if on_train or fed.has_local_test:
+        acc = local_test_acc(model, fed.clients, batch_size, on_train=on_train)
+    else:
+        acc = np.full(fed.num_clients, np.nan)
+    if np.isnan(acc).any():
+        if dist_acc is None:
+            per_class = evaluate(model, fed.x_test, fed.y_test, fed.num_classes, batch_size).per_class_acc()
+            dist_acc = client_distribution_acc(per_class, fed.label_distribution())
+        acc = np.where(np.isnan(acc), dist_acc, acc)
+    return acc

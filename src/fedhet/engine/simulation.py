@@ -31,7 +31,7 @@ from fedhet.data.federated import FederatedDataset, federate
 from fedhet.engine.batched import BatchedExecutor, choose_executor
 from fedhet.engine.checkpoint import LAST, CheckpointError, load_latest, remove_temporaries, write_checkpoint
 from fedhet.engine.client import LOCAL_BUFFERS, LOCAL_PARAMS, ClientRunner, Executor, LocalExecutor, derive_seed
-from fedhet.engine.evaluate import client_test_samples, evaluate, evaluate_global, local_risk
+from fedhet.engine.evaluate import client_accuracy, client_test_samples, evaluate, evaluate_global, local_risk
 from fedhet.engine.flat import FlatModel
 from fedhet.engine.rundir import (
     check_run_flags,
@@ -79,7 +79,7 @@ def resolve_config(cfg: Config) -> dict[str, Any]:
 
 def build_federation(cfg: Config) -> FederatedDataset:
     from fedhet.data.datasets import load_dataset
-    from fedhet.data.partition import partition
+    from fedhet.data.partition import label_counts, match_test, partition
 
     ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir, **cfg.dataset.params()).train_subset(
         cfg.dataset.train_fraction
@@ -92,6 +92,12 @@ def build_federation(cfg: Config) -> FederatedDataset:
         if groups is not None and ds.groups_test is not None:
             groups = np.concatenate([groups, ds.groups_test])
     parts = partition(p.name, labels, p.num_clients, seed, groups=groups, **p.params())
+    test_parts = None
+    if p.local_test == "matched":
+        if not ds.has_test_set:
+            raise ConfigError(f"partition.local_test='matched' needs a test set, and {ds.name!r} has none; use 'split'")
+        counts = label_counts(ds.y_train, parts, ds.num_classes)
+        test_parts = match_test(ds.y_test, counts, np.random.default_rng([seed, 0x7E5]))
     return federate(
         ds,
         parts,
@@ -99,6 +105,7 @@ def build_federation(cfg: Config) -> FederatedDataset:
         merged=p.merge_test,
         seed=seed,
         device=cfg.run.device,
+        test_parts=test_parts,
     )
 
 
@@ -260,9 +267,23 @@ class Simulation:
         self.name = cfg.run.name or cfg.default_name()
         self.run_dir = Path(cfg.run.out_dir) / self.name
         self.fed = fed if fed is not None else build_federation(cfg)
+        # what evaluation measures on: the partition's clients, also when training pools them (centralized)
+        self.eval_fed = self.fed
+        if algorithm_config(cfg)[0].pools_clients:
+            if executor is not None:
+                raise ConfigError(
+                    f"{cfg.algorithm.name} trains one client holding every client's data, which exists only in the "
+                    "simulation; run it with fedhet run or compare, not over Flower"
+                )
+            self.fed = self.fed.pooled()
         self.device = torch.device(cfg.run.device)
         parts = build_training(cfg, self.fed)
         self.model, self.flat, self.setup, self.algo = parts.model, parts.flat, parts.setup, parts.algo
+        if self.algo.shares_data:  # a data-sharing method (FedMeta) gets its copies of the clients' data
+            try:
+                self.algo.receive_shared_data(self.fed, cfg.run.seed)
+            except ValueError as err:
+                raise ConfigError(f"{err} (its clients' data are on the nodes); run it in the simulation") from None
         store = build_state_store(cfg.run.client_state, self.run_dir / "client_state", cfg.run.client_state_budget_mb)
         self.workers = 1 if executor is not None else resolve_workers(cfg)
         self.executor: Executor = executor or self.build_executor(parts.runner, store)
@@ -274,6 +295,10 @@ class Simulation:
         # run.eval_local_models: the local models (params, buffers) of the last phase's replies, for evaluation
         self.local_models: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._dist_samples: list[np.ndarray] | None = None
+        # train.sampling = "dynamic": each client's last measured performance and the round it was measured in
+        self.performance: list[float] | None = None
+        self.performance_round = 0
+        self.sampling_log: MetricsLog | None = None
 
     def build_executor(self, runner: ClientRunner, store: Any) -> Executor:
         """Batched clients, worker processes or one client after another, as ``run.executor`` and ``run.workers``
@@ -309,7 +334,44 @@ class Simulation:
         if k >= n:
             return list(range(n))
         rng = np.random.default_rng(derive_seed(self.cfg.run.seed, rnd, 0x5A))
+        if self.cfg.train.sampling == "dynamic":
+            return self.dynamic_sample(rnd, k, rng)
         return sorted(int(c) for c in rng.choice(n, size=k, replace=False))
+
+    def dynamic_sample(self, rnd: int, k: int, rng: np.random.Generator) -> list[int]:
+        """FedUFO's dynamic sampling: the ``train.sampling_worst`` share of the ``k`` clients with the lowest
+        performance (ties in a random order), the rest uniformly from the others. The generator is the round's, as
+        in uniform sampling, so the draw depends only on (seed, round, performance); logged to sampling.jsonl."""
+        acc = np.asarray(self.client_performance(rnd))
+        n = len(acc)
+        n_worst = math.floor(k * self.cfg.train.sampling_worst)
+        worst = np.lexsort((rng.random(n), acc))[:n_worst]  # ascending performance; the random key breaks ties
+        others = np.setdiff1d(np.arange(n), worst)
+        drawn = rng.choice(others, size=k - n_worst, replace=False)
+        if self.sampling_log is not None:
+            self.sampling_log.append(
+                {
+                    "round": rnd,
+                    "measured_round": self.performance_round,
+                    "worst": [int(c) for c in worst],
+                    "worst_acc": [float(acc[c]) for c in worst],
+                    "random": sorted(int(c) for c in drawn),
+                    "acc_mean": float(acc.mean()),
+                }
+            )
+        return sorted(int(c) for c in np.concatenate([worst, drawn]))
+
+    def client_performance(self, rnd: int) -> list[float]:
+        """Every client's accuracy of the current global model (train.sampling_measure), re-measured at the start of
+        every ``train.sampling_refresh``-th round."""
+        t = self.cfg.train
+        if self.performance is None or (rnd - 1) % t.sampling_refresh == 0:
+            self.flat.set_params(self.algo.global_params)
+            self.flat.set_buffers(self.algo.global_buffers)
+            on_train = t.sampling_measure == "train"
+            acc = client_accuracy(self.model, self.fed, self.cfg.run.eval_batch_size, on_train=on_train)
+            self.performance, self.performance_round = [float(a) for a in acc], rnd
+        return self.performance
 
     def run_phase(self, rnd: int, phase_idx: int, phase: str, cids: list[int]) -> RoundResult:
         msgs = self.algo.configure(rnd, cids, phase)
@@ -330,7 +392,7 @@ class Simulation:
     def evaluate(self, rnd: int, result: RoundResult, started: float) -> dict[str, Any]:
         self.flat.set_params(self.algo.global_params)
         self.flat.set_buffers(self.algo.global_buffers)
-        metrics = evaluate_global(self.model, self.fed, self.cfg.run.eval_batch_size, self.dist_samples())
+        metrics = evaluate_global(self.model, self.eval_fed, self.cfg.run.eval_batch_size, self.dist_samples())
         metrics.update(self.local_model_metrics(result.replies))
         metrics.update(self.extra_model_metrics())
         acc = metrics["test_acc"]
@@ -360,10 +422,10 @@ class Simulation:
             return None
         if self._dist_samples is None:
             fixed = run.client_dist_sample_size
-            sizes = self.fed.sizes if fixed is None else np.full(self.fed.num_clients, fixed)
+            sizes = self.eval_fed.sizes if fixed is None else np.full(self.eval_fed.num_clients, fixed)
             rng = np.random.default_rng(derive_seed(run.seed, 0x7E57))
-            y = self.fed.y_test.cpu().numpy()
-            self._dist_samples = client_test_samples(y, self.fed.label_distribution(), sizes, rng)
+            y = self.eval_fed.y_test.cpu().numpy()
+            self._dist_samples = client_test_samples(y, self.eval_fed.label_distribution(), sizes, rng)
         return self._dist_samples
 
     def local_model_metrics(self, replies: dict[int, Reply]) -> dict[str, float]:
@@ -372,7 +434,7 @@ class Simulation:
         if not self.local_models:
             return {}
         risks = []
-        fed, label_dist = self.fed, self.fed.label_distribution()
+        fed, label_dist = self.eval_fed, self.eval_fed.label_distribution()
         for params, buffers in self.local_models.values():
             self.flat.set_params(params)
             if buffers is not None:
@@ -391,7 +453,7 @@ class Simulation:
     def extra_model_metrics(self) -> dict[str, float]:
         """Accuracy and loss on the global test set of the other models the algorithm asks to have scored."""
         out = {}
-        fed = self.fed
+        fed = self.eval_fed
         for name, params in self.algo.extra_eval_params().items():
             self.flat.set_params(params)
             stats = evaluate(self.model, fed.x_test, fed.y_test, fed.num_classes, self.cfg.run.eval_batch_size)
@@ -450,6 +512,8 @@ class Simulation:
             "seen": sorted(self.seen),
             "ema": self.ema,
             "empty_streak": self.empty_streak,
+            "performance": self.performance,
+            "performance_round": self.performance_round,
             "wall_s": wall,
             "torch_threads": self.client_threads,
             "executor_kind": self.executor_kind,
@@ -488,6 +552,8 @@ class Simulation:
         self.seen = set(state["seen"])
         self.ema = state["ema"]
         self.empty_streak = state.get("empty_streak", 0)
+        self.performance = state.get("performance")
+        self.performance_round = state.get("performance_round", 0)
         self._wall_before = state["wall_s"]
         self._saved_clients, self._rotate = state["executor"], loaded.path.name == LAST
         self._saved_round = state["round"]
@@ -536,12 +602,14 @@ class Simulation:
             if done is not None:
                 truncate_after(self.run_dir / "metrics.jsonl", done)
                 truncate_after(self.run_dir / "failures.jsonl", done)
+                truncate_after(self.run_dir / "sampling.jsonl", done)
                 write_json_atomic(self.run_dir / "config.json", self.resolved)  # e.g. run.rounds raised to extend it
                 self.record_environment(resumed_at=done)
                 return done
             self.check_nothing_lost()
             truncate_after(self.run_dir / "metrics.jsonl", 0)  # crashed before its first checkpoint: start over
             truncate_after(self.run_dir / "failures.jsonl", 0)
+            truncate_after(self.run_dir / "sampling.jsonl", 0)
         elif holds_run(self.run_dir):
             raise ConfigError(
                 f"run folder {str(self.run_dir)!r} already holds a run; pass --resume to continue "
@@ -596,6 +664,8 @@ class Simulation:
         self.warn_unmeasurable()
         metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
         failures_log = MetricsLog(self.run_dir / "failures.jsonl")
+        if self.cfg.train.sampling == "dynamic":
+            self.sampling_log = MetricsLog(self.run_dir / "sampling.jsonl")
         rounds, started = self.cfg.run.rounds, time.perf_counter()
         last = stop_after if stop_after is not None else rounds
         with self._progress() as progress:

@@ -6,7 +6,7 @@ size comes from a dry run on the input shape, so the same model works for 28x28 
 
 from __future__ import annotations
 
-from pydantic import NonNegativeInt, PositiveInt
+from pydantic import Field, NonNegativeInt, PositiveInt
 from torch import nn
 
 from fedhet.models.base import MODELS, FedModel, ModelParams, check_rank, flat_size
@@ -43,17 +43,21 @@ def conv_fc_model(
 class CNNParams(ModelParams):
     # FedNH drops the classifier bias "for fair comparison"; FedRoD and FedDyn keep it.
     head_bias: bool = True
+    # widths of the fully connected layers; the last is the embedding. FedRoD/FedNH/FedDyn: 384-192. FedUFO's
+    # discriminator reads a 64-d feature of "the same network as [McMahan et al.]", so its CIFAR-10 reading is
+    # 384-64 (notes/fedufo.md section 4).
+    hidden: list[PositiveInt] = Field(default_factory=lambda: [384, 192], min_length=1)
 
 
 @MODELS.register(
     "cnn",
-    "simple CNN of FedRoD/FedNH/FedDyn (2x conv5x5-64, fc 384-192); Conv2Cifar in Yutong-Dai/FedNH",
+    "simple CNN of FedRoD/FedNH/FedDyn (2x conv5x5-64, fc 384-192; FedUFO: hidden=[384, 64])",
     params=CNNParams,
 )
 def build_cnn(input_shape: tuple[int, ...], num_classes: int, p: CNNParams) -> FedModel:
     check_rank("cnn", input_shape, 3, "(3, 32, 32)")
     convs = [conv_stage(input_shape[0], 64), conv_stage(64, 64)]
-    return conv_fc_model("cnn", input_shape, num_classes, convs, [384, 192], head_bias=p.head_bias)
+    return conv_fc_model("cnn", input_shape, num_classes, convs, list(p.hidden), head_bias=p.head_bias)
 
 
 class LeNet5Params(ModelParams):
