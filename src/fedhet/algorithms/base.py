@@ -140,6 +140,12 @@ class Algorithm:
         of the exchanged and aggregated parameter vector."""
         return model
 
+    @classmethod
+    def prepare_federated_model(cls, config: AlgoConfig, model: FedModel, num_clients: int) -> FedModel:
+        """Like ``prepare_model``, for modules whose shape depends on the federation: ``num_clients`` is the number
+        of clients (FedUFO's client-ID discriminator has one output per client). Runs right after it."""
+        return model
+
     # ----------------------------------------------------------------- server side
     def init_server(self, params: torch.Tensor, buffers: torch.Tensor) -> None:
         self.global_params = params.clone()
