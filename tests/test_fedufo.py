@@ -46,10 +46,9 @@ def test_group_fusion_by_hand():
 def test_kl_direction_and_reduction_by_hand():
     logits = torch.tensor([[1.0, 0.0, -1.0], [0.0, 0.5, 0.0]])
     target = torch.tensor([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
-    q = F.softmax(logits, 1).tolist()
-    t = target.tolist()
-    forward = [sum(ti * math.log(ti / qi) for ti, qi in zip(tr, qr, strict=True) if ti) for tr, qr in zip(t, q)]
-    reverse = [sum(qi * math.log(qi / max(ti, ufo.PROB_FLOOR)) for ti, qi in zip(tr, qr)) for tr, qr in zip(t, q)]
+    pairs = list(zip(target.view(-1).tolist(), F.softmax(logits, 1).view(-1).tolist(), strict=True))
+    forward = [t * math.log(t / q) for t, q in pairs if t]  # 0 log 0 = 0
+    reverse = [q * math.log(q / max(t, ufo.PROB_FLOOR)) for t, q in pairs]
     assert ufo.kl_to_target(logits, target, "forward", "batchmean").item() == pytest.approx(sum(forward) / 2)
     assert ufo.kl_to_target(logits, target, "forward", "mean").item() == pytest.approx(sum(forward) / 6)
     assert ufo.kl_to_target(logits, target, "reverse", "batchmean").item() == pytest.approx(sum(reverse) / 2)
@@ -220,9 +219,7 @@ def test_discriminator_labels_are_the_clients_ids(tiny_config, monkeypatch):
 
 
 def test_stage_one_has_no_consensus_terms_and_stage_two_has_them(tiny_config):
-    sim = Simulation(
-        tiny_config(run={"name": "stages", "rounds": 2}, algorithm={"name": "fedufo", "stage1_rounds": 1})
-    )
+    sim = Simulation(tiny_config(run={"name": "stages", "rounds": 2}, algorithm={"name": "fedufo", "stage1_rounds": 1}))
     seen = []
     original = sim.executor.run_phase
 
