@@ -96,6 +96,9 @@ class ClientContext:
     steps: int = 0  # local steps taken so far
     loss_sum: float = 0.0
     scratch: dict[str, Any] = field(default_factory=dict)  # per-round working values of a hook
+    # indices into ``data`` of the mini-batch being trained on, set by the sequential loop before ``local_loss`` (for
+    # per-sample values a hook computes once per round, e.g. FedUFO's teacher predictions); None outside the loop
+    batch: torch.Tensor | None = None
 
     @property
     def global_params(self) -> torch.Tensor:
