@@ -321,3 +321,18 @@ def test_a_private_discriminator_stays_on_its_client(tiny_config):
     states = dict(sim.executor.store.items())
     assert states and all(set(s) == {"discriminator"} for s in states.values())
     assert not any(torch.equal(s["discriminator"], before[disc]) for s in states.values())
+
+
+def test_cached_targets_are_the_per_batch_targets():
+    make, algo, train = build(stage1_rounds=0)
+    algo.init_server(FlatModel(make()).get_params(), torch.zeros(0))
+    _, msgs = phase_a(algo, make, train, {0: data(0), 2: data(2)})
+    x, y = data(0)
+    ctx = context(algo, make, train, 0, "posterior", msgs[0], x, y)
+    cached = algo.cached_targets(ctx)
+    assert set(cached) == {"cgr", "cgl"}
+    idx = torch.tensor([4, 1])
+    torch.testing.assert_close(cached["cgr"][idx], algo.group_target(ctx, x[idx]))
+    torch.testing.assert_close(cached["cgl"][idx], algo.global_target(ctx, x[idx]))
+    ctx.augment = lambda batch, generator: batch  # new inputs every batch: nothing can be cached
+    assert algo.cached_targets(ctx) == {}

@@ -78,6 +78,7 @@ if TYPE_CHECKING:
 
 DISC = "discriminator"  # the attribute prepare_federated_model attaches; its parameters come last in the flat vector
 PROB_FLOOR = 1e-12  # reverse KL takes log of the target: an l1-fused class absent from the group would be log 0
+CHUNK = 1024  # samples per teacher pass over a client's data (bounds the memory of a large client)
 
 
 class FedUFOConfig(FedAvgConfig):  # weighting "samples": "weighted aggregation" as FedAvg (notes 2.5.13)
@@ -144,12 +145,12 @@ def discriminator_loss(
 ) -> torch.Tensor:
     """Eq. 5: the posterior's features labelled with the client's own id, the other members' prior features with
     theirs, averaged over the other members (mean over the batch in both terms)."""
-    label = torch.full((len(own),), own_id, dtype=torch.long, device=own.device)
-    loss = F.cross_entropy(disc(own), label)
-    if others:
-        terms = [F.cross_entropy(disc(f), torch.full_like(label, cid)) for f, cid in others]
-        loss = loss + torch.stack(terms).sum() / len(others)
-    return loss
+    features = torch.stack([own] + [f for f, _ in others])  # (M, B, F): one forward of D for every member
+    ids = torch.tensor([own_id] + [cid for _, cid in others], device=own.device)
+    m, b = features.shape[:2]
+    logits = disc(features.flatten(0, 1))
+    ce = F.cross_entropy(logits, ids.repeat_interleave(b), reduction="none").view(m, b).mean(1)
+    return ce[0] + ce[1:].sum() / (m - 1) if m > 1 else ce[0]
 
 
 def unflatten(vec: torch.Tensor, layout: list[tuple[str, torch.Size]]) -> dict[str, torch.Tensor]:
@@ -160,6 +161,11 @@ def unflatten(vec: torch.Tensor, layout: list[tuple[str, torch.Size]]) -> dict[s
         out[name] = vec[offset : offset + n].view(shape)
         offset += n
     return out
+
+
+def chunked(fn, ctx: ClientContext, x: torch.Tensor) -> torch.Tensor:
+    """fn(ctx, x) over x in chunks of CHUNK samples."""
+    return torch.cat([fn(ctx, part) for part in x.split(CHUNK)])
 
 
 class Taps(nn.Module):
@@ -290,8 +296,24 @@ class FedUFO(FedAvg):
             if disc is not None and self.config.discriminator == "private" and own is not None:
                 ctx.flat.params[disc] = own
             ctx.scratch["ufo_losses"] = dict.fromkeys(("ce", "uad", "cgr", "cgl"), 0.0)
+            ctx.scratch["ufo_targets"] = self.cached_targets(ctx)
         if disc is not None:  # D is frozen while the model trains, in both phases
             ctx.scratch["ufo_disc"] = ctx.flat.params[disc].clone()
+
+    def cached_targets(self, ctx: ClientContext) -> dict[str, torch.Tensor]:
+        """The consensus targets of every local sample, computed once per round (notes 8.14). With augmentation a
+        batch's inputs are new each time, so its targets are computed per batch instead (empty dict)."""
+        _, cgr, cgl = self.active(ctx)
+        if ctx.augment is not None:
+            return {}
+        targets = {"cgr": self.group_target, "cgl": self.global_target}
+        return {name: chunked(fn, ctx, ctx.data.x) for name, fn in targets.items() if {"cgr": cgr, "cgl": cgl}[name]}
+
+    def target(self, ctx: ClientContext, name: str, x: torch.Tensor) -> torch.Tensor:
+        cached = ctx.scratch["ufo_targets"].get(name)
+        if cached is not None and ctx.batch is not None:
+            return cached[ctx.batch]
+        return (self.group_target if name == "cgr" else self.global_target)(ctx, x)
 
     def own_row(self, ctx: ClientContext) -> int:
         return int((ctx.message.tensors["group"] == ctx.cid).nonzero()[0, 0])
@@ -314,11 +336,9 @@ class FedUFO(FedAvg):
         if uad:
             terms["uad"] = c.uad_weight * uniform_loss(getattr(ctx.model, DISC)(features))
         if cgr:
-            terms["cgr"] = c.cgr_weight * self.kl(logits, self.group_target(ctx, x))
+            terms["cgr"] = c.cgr_weight * self.kl(logits, self.target(ctx, "cgr", x))
         if cgl:
-            tensors = ctx.message.tensors
-            _, global_logits = self.teacher(tensors["params"], tensors.get("buffers"))(x)
-            terms["cgl"] = c.cgl_weight * self.kl(logits, F.softmax(global_logits, dim=1))
+            terms["cgl"] = c.cgl_weight * self.kl(logits, self.target(ctx, "cgl", x))
         sums = ctx.scratch["ufo_losses"]
         for name, term in terms.items():
             sums[name] += float(term.detach())
@@ -336,6 +356,12 @@ class FedUFO(FedAvg):
             _, logits = self.teacher(params, None if buffers is None else buffers[row])(x)
             probs.append(F.softmax(logits, dim=1))
         return fuse_group(torch.stack(probs), tensors["proportions"], self.config.cgr_fusion)
+
+    def global_target(self, ctx: ClientContext, x: torch.Tensor) -> torch.Tensor:
+        """Eq. 9: the received global model's prediction on x."""
+        tensors = ctx.message.tensors
+        _, logits = self.teacher(tensors["params"], tensors.get("buffers"))(x)
+        return F.softmax(logits, dim=1)
 
     def after_backward(self, ctx: ClientContext) -> None:
         disc = self.disc_slice()
@@ -373,13 +399,13 @@ class FedUFO(FedAvg):
             return 0.0
         ctx.model.eval()  # features are constants here: no dropout, running statistics as they are
         with torch.no_grad():
-            own = ctx.model.body(x)
+            own = torch.cat([ctx.model.body(part) for part in x.split(CHUNK)])
         buffers = tensors.get("prior_buffers")
         others = []
         for row, cid in enumerate(group.tolist()):
             if cid != ctx.cid:
                 run = self.teacher(tensors["prior_params"][row], None if buffers is None else buffers[row])
-                others.append((run(x)[0], cid))
+                others.append((torch.cat([run(part)[0] for part in x.split(CHUNK)]), cid))
         disc_module = getattr(ctx.model, DISC)
         disc = self.disc_slice()
         t = ctx.train
