@@ -45,8 +45,8 @@ code exists (the repositories named FedUFO on GitHub are unrelated, notes sec. 1
   includes the client's own prior (2.5.9, Eq. 6-7 range over j = 1..K_c);
 * only the clients whose prior came back form the group and train a posterior; a client dropped in phase A is
   dropped for the round;
-* teachers' predictions are recomputed for every mini-batch (correct with augmentation too; notes 8.14 caches them
-  when there is none, which the shared loop does not allow: it does not tell a hook the batch's indices);
+* without augmentation the consensus targets of all local samples are computed once per round and looked up by the
+  batch's indices (``ctx.batch``; notes 8.14); with augmentation they are computed for every mini-batch;
 * the stage lengths are not given (2.5.6): ``stage1_rounds`` = 50 is ours (Fig. 3 shows the CGL variants, "all"
   included, apart from FedAvg within the first 100 MNIST rounds, so stage one is shorter); stage two is the rest.
 
