@@ -306,8 +306,8 @@ class FedUFO(FedAvg):
         _, cgr, cgl = self.active(ctx)
         if ctx.augment is not None:
             return {}
-        targets = {"cgr": self.group_target, "cgl": self.global_target}
-        return {name: chunked(fn, ctx, ctx.data.x) for name, fn in targets.items() if {"cgr": cgr, "cgl": cgl}[name]}
+        wanted = {"cgr": (cgr, self.group_target), "cgl": (cgl, self.global_target)}
+        return {name: chunked(fn, ctx, ctx.data.x) for name, (on, fn) in wanted.items() if on}
 
     def target(self, ctx: ClientContext, name: str, x: torch.Tensor) -> torch.Tensor:
         cached = ctx.scratch["ufo_targets"].get(name)
