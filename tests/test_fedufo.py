@@ -336,3 +336,30 @@ def test_cached_targets_are_the_per_batch_targets():
     torch.testing.assert_close(cached["cgl"][idx], algo.global_target(ctx, x[idx]))
     ctx.augment = lambda batch, generator: batch  # new inputs every batch: nothing can be cached
     assert algo.cached_targets(ctx) == {}
+
+
+def test_cgr_without_the_own_prior_fuses_the_others_with_their_own_proportions():
+    make, algo, train = build(stage1_rounds=0, cgr_include_self=False)
+    algo.init_server(FlatModel(make()).get_params(), torch.zeros(0))
+    clients = {0: data(0), 2: data(2), 3: data(3)}
+    _, msgs = phase_a(algo, make, train, clients)
+    x, y = clients[2]
+    ctx = context(algo, make, train, 2, "posterior", msgs[2], x, y)
+    tensors = msgs[2].tensors
+    probs = torch.stack([F.softmax(algo.teacher(tensors["prior_params"][r], None)(x)[1], 1) for r in (0, 2)])
+    counts = tensors["counts"][[0, 2]]  # members 0 and 3: rows 0 and 2 of the group [0, 2, 3]
+    expected = F.softmax((counts / counts.sum(0).clamp_min(1))[:, None, :].mul(probs).sum(0), 1)
+    torch.testing.assert_close(algo.group_target(ctx, x), expected)
+
+
+def test_prior_epochs_and_a_discriminator_frozen_in_stage_two():
+    make, algo, train = build(stage1_rounds=0, prior_epochs=3, disc_in_stage_two=False)
+    train = TrainSection(batch_size=2, local_epochs=1, lr=0.1)
+    algo.setup.train = train
+    w0 = FlatModel(make()).get_params()
+    algo.init_server(w0, torch.zeros(0))
+    priors, msgs = phase_a(algo, make, train, {0: data(0), 1: data(1)})
+    assert priors[0].metrics["steps"] == 9  # 3 epochs of ceil(6 / 2) batches
+    reply = algo.client_update(context(algo, make, train, 0, "posterior", msgs[0], *data(0)))
+    assert reply.metrics["steps"] == 3 and reply.metrics["disc_loss"] == 0.0
+    assert torch.equal(reply.tensors["params"][algo.disc_slice()], w0[algo.disc_slice()])

@@ -35,14 +35,17 @@ Sources: the paper and notes/fedufo.md, whose proposed readings (sec. 2.5) are t
 code exists (the repositories named FedUFO on GitHub are unrelated, notes sec. 1). Choices where the paper is silent:
 
 * the posterior starts from w_t (2.5.1; ``posterior_init = "prior"`` continues from the client's own prior);
-  prior and posterior use the same local epochs and optimiser (2.5.2);
+  prior and posterior use the same optimiser and local epochs (2.5.2; ``prior_epochs`` sets the prior's);
 * D is a federated component averaged with the model (2.5.3; ``discriminator = "private"`` keeps one per client as
-  client state, as FedRoD's personal head); it keeps training in stage two (2.5.5); it trains after the model in
-  each round for ``disc_epochs`` = 1 epoch with the loop's SGD settings and the round's lr (2.5.4), on features
-  computed once per round in eval mode (the model is frozen then, so they are constants);
+  client state, as FedRoD's personal head; the notes' third reading, a server-held D, is not offered since nothing
+  would train it); it keeps training in stage two (2.5.5, ``disc_in_stage_two``); it trains after the model in each
+  round for ``disc_epochs`` = 1 epoch with the loop's SGD settings and the round's lr but no gradient clipping
+  (2.5.4; the per-mini-batch GAN-style alternation is not offered), on features computed once per round in eval
+  mode (the model is frozen then, so they are constants);
 * KL(teacher || student) with batchmean reduction and no temperature (2.5.7; PyTorch's ``kl_div(log y^, y~)``);
 * the CGR target is the literal softmax of the mixture (2.5.8; ``cgr_fusion = "l1"`` normalises it instead) and
-  includes the client's own prior (2.5.9, Eq. 6-7 range over j = 1..K_c);
+  includes the client's own prior (2.5.9, Eq. 6-7 range over j = 1..K_c; ``cgr_include_self = false`` fuses the
+  others only, with proportions over them, as the text's "all the other clients");
 * only the clients whose prior came back form the group and train a posterior; a client dropped in phase A is
   dropped for the round;
 * without augmentation the consensus targets of all local samples are computed once per round and looked up by the
@@ -90,6 +93,9 @@ class FedUFOConfig(FedAvgConfig):  # weighting "samples": "weighted aggregation"
     cgl_weight: float = Field(3.0, ge=0.0)  # lambda of Eq. 12: 3 on every dataset (Sec. 4.1.1, Fig. 4)
     cgr_weight: float = Field(1.0, ge=0.0)  # Eq. 12: unweighted
     uad_weight: float = Field(1.0, ge=0.0)  # Eq. 11-12: unweighted
+    # local epochs of the prior; None: train.local_epochs, the proposal of notes 2.5.2 (the paper gives one E = 10).
+    # Applies when train.local_steps is unset.
+    prior_epochs: float | None = Field(None, gt=0.0)
     # proposal, notes 2.5.1 ("global" makes cls exactly FedAvg, as the paper states); "prior": the own prior model
     posterior_init: Literal["global", "prior"] = "global"
     # proposal, notes 2.5.3: D sent and averaged with the model; "private": each client keeps its own D
@@ -97,6 +103,10 @@ class FedUFOConfig(FedAvgConfig):  # weighting "samples": "weighted aggregation"
     disc_layers: int = Field(2, ge=1)  # Sec. 4.1.1: two FC layers with ReLU (three for re-ID and CUB, Sec. 4.3)
     disc_hidden: int | None = Field(None, ge=1)  # None: the embedding size (Sec. 4.1.1: "same as the input")
     disc_epochs: int = Field(1, ge=0)  # E_d, proposal of notes 2.5.4; the paper does not say
+    disc_in_stage_two: bool = True  # proposal, notes 2.5.5: D keeps training in stage two; false: frozen there
+    # proposal, notes 2.5.9: the client's own prior is in the CGR fusion (Eq. 6-7 range over j = 1..K_c); false:
+    # "the local models of all the other clients" (the text), with the proportions taken over those clients
+    cgr_include_self: bool = True
     # proposal, notes 2.5.8: "softmax" is Eq. 7 literally; "l1" divides the mixture by its sum (a deviation)
     cgr_fusion: Literal["softmax", "l1"] = "softmax"
     # proposal, notes 2.5.7: "forward" = KL(teacher || student) (PyTorch's KLDivLoss), "reverse" = KL(student || t.)
@@ -229,7 +239,9 @@ class FedUFO(FedAvg):
         msg.tensors["prior_params"] = torch.stack([priors[c].tensors["params"] for c in group])
         if "buffers" in priors[group[0]].tensors:
             msg.tensors["prior_buffers"] = torch.stack([priors[c].tensors["buffers"] for c in group])
-        msg.tensors["proportions"] = class_proportions(torch.stack([priors[c].tensors["counts"] for c in group]))
+        counts = torch.stack([priors[c].tensors["counts"] for c in group])
+        msg.tensors["counts"] = counts
+        msg.tensors["proportions"] = class_proportions(counts)
         return {cid: msg for cid in group}  # one message, shared by every member
 
     def aggregate(self, rnd: int, replies: dict[int, Reply], phase: str) -> dict[str, float]:
@@ -286,6 +298,8 @@ class FedUFO(FedAvg):
     def before_local(self, ctx: ClientContext) -> None:
         tensors = ctx.message.tensors
         disc = self.disc_slice()
+        if ctx.phase == "prior" and self.config.prior_epochs is not None:
+            ctx.train = ctx.train.model_copy(update={"local_epochs": self.config.prior_epochs})
         if ctx.phase != "prior":
             if self.config.posterior_init == "prior":
                 row = self.own_row(ctx)
@@ -322,8 +336,10 @@ class FedUFO(FedAvg):
         """(uad, cgr, cgl) for this client's phase and round."""
         if ctx.phase == "prior":
             return False, False, False
-        two = self.in_stage_two(ctx.round)
-        return self.config.uad, self.config.cgr and two, self.config.cgl and two
+        c, two = self.config, self.in_stage_two(ctx.round)
+        # without its own prior, a client alone in its group has no one to agree with: no CGR term
+        cgr = c.cgr and two and (c.cgr_include_self or len(ctx.message.tensors["group"]) > 1)
+        return c.uad, cgr, c.cgl and two
 
     def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         uad, cgr, cgl = self.active(ctx)
@@ -351,11 +367,17 @@ class FedUFO(FedAvg):
         """Eq. 6-7: the class-proportion-weighted fusion of every group member's prior prediction on x."""
         tensors = ctx.message.tensors
         buffers = tensors.get("prior_buffers")
+        rows = list(range(len(tensors["group"])))
+        proportions = tensors["proportions"]
+        if not self.config.cgr_include_self:
+            rows.remove(self.own_row(ctx))
+            proportions = class_proportions(tensors["counts"][rows])
         probs = []
-        for row, params in enumerate(tensors["prior_params"]):
+        for row in rows:
+            params = tensors["prior_params"][row]
             _, logits = self.teacher(params, None if buffers is None else buffers[row])(x)
             probs.append(F.softmax(logits, dim=1))
-        return fuse_group(torch.stack(probs), tensors["proportions"], self.config.cgr_fusion)
+        return fuse_group(torch.stack(probs), proportions, self.config.cgr_fusion)
 
     def global_target(self, ctx: ClientContext, x: torch.Tensor) -> torch.Tensor:
         """Eq. 9: the received global model's prediction on x."""
@@ -379,7 +401,8 @@ class FedUFO(FedAvg):
             reply.tensors["counts"] = ctx.data.label_counts()
             return reply
         disc = self.disc_slice()
-        disc_loss = self.train_discriminator(ctx) if disc is not None else 0.0
+        trains_disc = disc is not None and (self.config.disc_in_stage_two or not self.in_stage_two(ctx.round))
+        disc_loss = self.train_discriminator(ctx) if trains_disc else 0.0
         if disc is not None and self.config.discriminator == "private":
             ctx.state[DISC] = ctx.flat.params[disc].clone()
             ctx.flat.params[disc] = ctx.global_params[disc]  # a private D never leaves the client
