@@ -218,7 +218,8 @@ class FedUFO(FedAvg):
     def disc_slice(self) -> slice | None:
         """Where D's parameters live in the flat vector (one module: contiguous), None without UAD."""
         if self._slices is None:
-            slices = FlatModel(self.setup.build_model()).slices()
+            with torch.random.fork_rng(devices=[]):  # building draws weights; the run's random stream must not move
+                slices = FlatModel(self.setup.build_model()).slices()
             mine = [s for name, s in slices.items() if name.startswith(DISC + ".")]
             self._slices = {DISC: slice(mine[0].start, mine[-1].stop)} if mine else {}
         return self._slices.get(DISC)
