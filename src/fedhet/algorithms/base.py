@@ -96,6 +96,9 @@ class ClientContext:
     steps: int = 0  # local steps taken so far
     loss_sum: float = 0.0
     scratch: dict[str, Any] = field(default_factory=dict)  # per-round working values of a hook
+    # indices into ``data`` of the mini-batch being trained on, set by the sequential loop before ``local_loss`` (for
+    # per-sample values a hook computes once per round, e.g. FedUFO's teacher predictions); None outside the loop
+    batch: torch.Tensor | None = None
 
     @property
     def global_params(self) -> torch.Tensor:
@@ -138,6 +141,12 @@ class Algorithm:
 
         Runs on the server and on every client before parameters are flattened, so whatever is added here is part
         of the exchanged and aggregated parameter vector."""
+        return model
+
+    @classmethod
+    def prepare_federated_model(cls, config: AlgoConfig, model: FedModel, num_clients: int) -> FedModel:
+        """Like ``prepare_model``, for modules whose shape depends on the federation: ``num_clients`` is the number
+        of clients (FedUFO's client-ID discriminator has one output per client). Runs right after it."""
         return model
 
     # ----------------------------------------------------------------- server side

@@ -90,6 +90,7 @@ def train_locally(algo: Algorithm, ctx: ClientContext) -> Reply:
     ctx.scratch["optimizer"] = opt
     total = num_local_steps(len(ctx.data), t.batch_size, t.local_epochs, t.local_steps)
     for idx in batch_indices(len(ctx.data), t.batch_size, total, ctx.generator):
+        ctx.batch = idx
         x, y = ctx.data.x[idx], ctx.data.y[idx]
         if ctx.augment is not None:
             x = ctx.augment(x, ctx.generator)

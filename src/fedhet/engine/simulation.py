@@ -196,7 +196,8 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
         # keeps their construction from shifting the client's random stream (dropout, augmentation).
         with torch.random.fork_rng(devices=[]):
             model = build_model(cfg.model.name, fed.input_shape, fed.num_classes, **cfg.model.params())
-            return algo_cls.prepare_model(algo_cfg, model).to(device)
+            model = algo_cls.prepare_model(algo_cfg, model)
+            return algo_cls.prepare_federated_model(algo_cfg, model, fed.num_clients).to(device)
 
     torch.manual_seed(derive_seed(cfg.run.seed, 0x40DE1))
     model = make_model()
