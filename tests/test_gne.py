@@ -11,7 +11,7 @@ import torch
 
 from fedhet.algorithms import ALGORITHMS, Reply, Setup
 from fedhet.algorithms.gne import GNE, NashSolveError, gram_matrix, nash_weights
-from fedhet.config import TrainSection
+from fedhet.config import TrainSection, load_config
 from fedhet.engine.simulation import Simulation, build_algorithm, config_changes, resolve_config
 from fedhet.errors import ConfigError
 from fedhet.models import build_model
@@ -95,13 +95,13 @@ def test_gram_matrix_accumulates_in_float64_by_chunks():
 
 # ---------------------------------------------------------------------------- the aggregation
 def test_identical_deltas_reproduce_that_delta():
-    # gotcha 1: + G p with Delta_k = theta_k - theta; sum_to_one gives the delta itself, "none" sqrt(K) times its unit
+    # gotcha 1: + G p with Delta_k = theta_k - theta; sum_to_one gives the delta itself, "paper" sqrt(K) times its unit
     x = torch.tensor([1.0, -1.0, 0.5])
     delta = torch.tensor([0.2, 0.1, -0.2])  # norm 0.3
     params = [x + delta] * 3
     target = GNE().target(x, params, [0.2, 0.3, 0.5])
     torch.testing.assert_close(target, x + delta)
-    literal = GNE(normalize="none").target(x, params, [0.2, 0.3, 0.5])
+    literal = GNE(normalize="paper").target(x, params, [0.2, 0.3, 0.5])
     torch.testing.assert_close(literal - x, delta / 0.3 * math.sqrt(3), rtol=1e-6, atol=1e-7)
 
 
@@ -124,7 +124,7 @@ def test_sum_to_one_weights_by_hand():
 def test_paper_literal_and_fedavg_norm_scales():
     x = torch.zeros(2)
     params = [torch.tensor([2.0, 0.0]), torch.tensor([0.0, 0.5])]
-    literal = GNE(normalize="none").target(x, params, [0.5, 0.5])
+    literal = GNE(normalize="paper").target(x, params, [0.5, 0.5])
     torch.testing.assert_close(literal, torch.tensor([1.0, 1.0]))  # G p with p = (1/2, 2): ||G p||^2 = 2 = K
     matched = GNE(normalize="match_fedavg_norm").target(x, params, [0.5, 0.5])
     torch.testing.assert_close(matched.norm(), torch.tensor(math.hypot(1.0, 0.25)))  # FedAvg's update norm
@@ -171,7 +171,7 @@ def test_opposite_deltas_with_jitter_cancel_out(solver):
 
 
 def test_options_are_checked():
-    with pytest.raises(ValueError, match="valid: sum_to_one, none, match_fedavg_norm"):
+    with pytest.raises(ValueError, match="valid: sum_to_one, paper, match_fedavg_norm"):
         GNE(normalize="unit")
     with pytest.raises(ValueError, match="valid: newton, ccp"):
         GNE(solver="ecos")
@@ -207,6 +207,8 @@ def test_gne_options_without_gne_are_refused(tiny_config):
         tiny_config(server={"gne_solver": "ccp"})
     with pytest.raises(ConfigError, match="gne_normalize"):
         tiny_config(server={"aggregation": "gne", "gne_normalize": "unit"})
+    overrides = ["server.name=fedadam", "server.aggregation=gne", "server.gne_normalize=paper"]
+    assert load_config(None, overrides).server.gne_normalize == "paper"  # as `fedhet run -s ...` gives it
     cfg = tiny_config(server={"name": "fedadam", "aggregation": "gne", "gne_solver": "ccp"})
     algo = build_algorithm(cfg, Setup(6, 10, cfg.train, lambda: build_model("mlp", (64,), 10)))
     assert algo.gne.solver == "ccp" and type(algo.server_opt).__name__ == "FedAdam"

@@ -196,8 +196,9 @@ class ServerSection(_Component):
     aggregation: Literal["weights", "gne"] = "weights"
     # GNE's solver of G^T G p = 1/p: "newton" (the notes' exact convex form) or "ccp" (the paper's Eqs. 15-16)
     gne_solver: Literal["newton", "ccp"] = "newton"
-    # GNE's scale: "sum_to_one" (official code), "none" (paper-literal ||G p||^2 = K), "match_fedavg_norm" (notes)
-    gne_normalize: Literal["sum_to_one", "none", "match_fedavg_norm"] = "sum_to_one"
+    # GNE's scale: "sum_to_one" (official code), "paper" (paper-literal ||G p||^2 = K; the notes' "none", renamed
+    # since an override's none means null), "match_fedavg_norm" (the notes' third option)
+    gne_normalize: Literal["sum_to_one", "paper", "match_fedavg_norm"] = "sum_to_one"
     # added to the Frobenius-normalised Gram matrix when its smallest eigenvalue is below it (notes, gotcha 3)
     gne_jitter: float = Field(1e-8, ge=0.0, lt=1.0)
 

@@ -34,7 +34,7 @@ Aggregation (``GNE.target``), following the notes' gotchas 1-4 and 14:
   theta - G p is the same step written with pseudo-gradients theta - theta_k (as the official code does); p is
   the same either way, since G^T G does not change sign.
 * scale (``normalize``): ``sum_to_one`` (default) divides p by its sum, as the official code does (``w /= sum(alpha)``),
-  so the update is a convex combination of the deltas with FedAvg's magnitude; ``none`` is the paper-literal
+  so the update is a convex combination of the deltas with FedAvg's magnitude; ``paper`` is the paper-literal
   ||G p||^2 = K, whatever the clients' step sizes; ``match_fedavg_norm`` rescales p so that ||G p|| equals the norm of
   the algorithm's own weighted update (the notes' third option).
 * clients whose delta is exactly zero are dropped from G (official code: they make G^T G p = 1/p unsolvable) and get
@@ -72,7 +72,7 @@ import torch
 from fedhet.algorithms.base import weighted_sum
 
 SOLVERS = ("newton", "ccp")
-NORMALIZATIONS = ("sum_to_one", "none", "match_fedavg_norm")
+NORMALIZATIONS = ("sum_to_one", "paper", "match_fedavg_norm")
 ACCEPT_RESIDUAL = 1e-6  # max_k |p_k (M p)_k - 1| above which a solve counts as failed (fallback)
 NEWTON_TOL = 1e-12  # ours: Newton converges quadratically, so float64 reaches this in a step or two more
 NEWTON_MAX_ITER = 100
