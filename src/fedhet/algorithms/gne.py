@@ -103,7 +103,7 @@ def nash_weights(
     check_gram(gram, solver)
     norm = torch.linalg.matrix_norm(gram)  # Frobenius (Nash-MTL's normalisation_factor)
     m = gram / norm
-    jittered = bool(torch.linalg.eigvalsh(m)[0] < jitter)
+    jittered = jitter > 0 and bool(torch.linalg.eigvalsh(m)[0] < jitter)
     if jittered:
         m = m + jitter * torch.eye(len(m), dtype=m.dtype, device=m.device)
     start = torch.full_like(m[0], 1.0 / len(m)) if start is None else start.to(m)
@@ -313,7 +313,7 @@ class GNE:
     def target(self, x: torch.Tensor, client_params: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
         deltas = [p - x for p in client_params]
         gram = gram_matrix(deltas)
-        own = torch.tensor(weights, dtype=torch.float64)
+        own = torch.tensor(weights, dtype=torch.float64, device=gram.device)
         p = self.weights(gram, own)
         self.last.update(diagnostics(gram, p, own))
         return x + weighted_sum(deltas, p.tolist())
