@@ -5,6 +5,7 @@ server.aggregation = "gne" end to end (learns, resumes bit-exact, default path u
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -258,3 +259,30 @@ def test_fedavg_with_gne_learns_on_digits_and_resumes_bit_exact(tiny_config, kil
     assert last["gne_cos_min"] > 0  # Delta_k^T G p = 1 / p_k > 0: the update agrees with every client
     torch.testing.assert_close(full.algo.global_params, resumed.algo.global_params, rtol=0, atol=0)
     assert full.algo.gne.state_dict() == resumed.algo.gne.state_dict()
+
+
+def test_gne_on_flower_matches_the_simulation(tiny_config):
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # no calls home from Flower in tests (read when flwr loads)
+    pytest.importorskip("flwr")
+    from fedhet.engine.checkpoint import read_checkpoint
+    from fedhet.flower.app import RunOptions, run_server
+    from fedhet.flower.client import make_client_app
+    from fedhet.flower.loopback import LoopbackGrid
+
+    def cfg(name):
+        return tiny_config(run={"rounds": 2, "name": name}, partition={"num_clients": 4}, server={"aggregation": "gne"})
+
+    local = Simulation(cfg("local"))
+    local.run()
+    nodes = {101: {"partition-ids": "0,1"}, 202: {"partition-ids": "2-3"}}
+    grid = LoopbackGrid(make_client_app(lambda _: cfg("flower")), nodes)
+    assert run_server(grid, cfg("flower"), RunOptions())["status"] == "finished"
+    flower_dir = local.run_dir.parent / "flower"
+    drop = ("elapsed_s",)
+    mine, theirs = (
+        [{k: v for k, v in r.items() if k not in drop} for r in read_metrics(d / "metrics.jsonl")]
+        for d in (local.run_dir, flower_dir)
+    )
+    assert mine == theirs and "gne_cos_mean" in mine[-1]
+    saved = read_checkpoint(flower_dir / "checkpoints" / "last.pt")["algo"]
+    assert torch.equal(saved["global_params"], local.algo.global_params) and saved["gne"]["fallbacks"] == 0
