@@ -48,9 +48,15 @@ Aggregation (``GNE.target``), following the notes' gotchas 1-4 and 14:
   never updates them, which the notes call a bug).
 * the final step still goes through the server optimiser, with target = theta + G p.
 
-Diagnostics, kept for the next ``round_metrics`` (notes section 4, Fig. 3; gotcha 2): the mean and minimum cosine
-between the global update and each client's delta, for GNE's update and for the algorithm's own weighted update,
-both update norms, the weight range, solver iterations and residual, dropped clients, jitter and fallbacks.
+Diagnostics, kept for the next ``round_metrics`` (notes section 4, Fig. 3; gotcha 2): ``gne_cos_mean`` /
+``gne_cos_min``, the cosine between the global update and each client's non-zero delta, and ``gne_update_norm``;
+``gne_fedavg_*`` the same for the algorithm's own weighted update (FedAvg's for fedavg); ``gne_weight_min/max``,
+``gne_iterations``, ``gne_residual``, ``gne_dropped``, ``gne_fallback`` (this round) and the running counts
+``gne_fallbacks`` and ``gne_jitters``. All are read off the Gram matrix, at no extra pass over the parameters.
+
+Use: ``server.aggregation = "gne"`` (any algorithm whose class accepts it, see ``Algorithm.accepts_gne``), or from
+an algorithm's own code ``self.use_gne(GNE(solver, normalize, jitter))`` in its ``__init__`` (FedRANE); the base
+``aggregate`` then calls ``GNE.target`` through ``aggregate_target``, and the counters travel in ``state_dict``.
 
 Deviations from the official code (XeniaLLL/HyperFed_and_FedRANE-master, serverFedRANE.py, a copy of Nash-MTL's
 solver in AvivNavon/nash-mtl methods/weight_methods.py): the CCP sub-problems are solved by our own barrier method
