@@ -19,16 +19,20 @@ from fedhet.models import build_model
 from fedhet.results.store import read_metrics
 
 
-def random_deltas(k: int, d: int, seed: int) -> torch.Tensor:
+def random_deltas(k: int, d: int, seed: int, shared: float = 0.3) -> torch.Tensor:
     """d x K: a shared direction plus client noise, as clients' updates from one global model look."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(d, k, generator=g, dtype=torch.float64) + 0.3
+    return torch.randn(d, k, generator=g, dtype=torch.float64) + shared
 
 
 # ---------------------------------------------------------------------------- the solvers
-@pytest.mark.parametrize(("k", "d", "seed"), [(2, 30, 0), (5, 100, 1), (10, 60, 2), (20, 400, 3), (20, 25, 4)])
-def test_newton_and_ccp_agree_and_solve_the_nash_equation(k, d, seed):
-    g = random_deltas(k, d, seed)
+@pytest.mark.parametrize(
+    ("k", "d", "seed", "shared"),
+    [(2, 30, 0, 0.3), (5, 100, 1, 0.3), (10, 60, 2, 0.3), (20, 400, 3, 0.3), (20, 25, 4, 0.3), (20, 25, 0, 0.0)],
+)
+def test_newton_and_ccp_agree_and_solve_the_nash_equation(k, d, seed, shared):
+    # the last case has conflicting deltas: M p < 0 somewhere at the uniform warm start, so CCP starts from phase I
+    g = random_deltas(k, d, seed, shared)
     gram = g.T @ g
     p_newton, info_n = nash_weights(gram, "newton")
     p_ccp, info_c = nash_weights(gram, "ccp")

@@ -163,14 +163,18 @@ def newton_solve(m: torch.Tensor, tol: float, max_iter: int) -> tuple[torch.Tens
             return p, it
         grad = m @ p - 1 / p
         step = -torch.linalg.solve(m + torch.diag(p.pow(-2)), grad)
-        p = backtrack(p, step, objective, float(grad @ step))
+        new = backtrack(p, step, objective, float(grad @ step))
+        if new is p:  # no decrease left in float64: as close as it gets
+            return p, it + 1
+        p = new
     return p, max_iter
 
 
 def backtrack(p: torch.Tensor, step: torch.Tensor, objective, slope: float) -> torch.Tensor:
-    """The Armijo step (fraction 1/4, halving) along ``step`` from p that stays inside the domain (objective < inf)."""
+    """The Armijo step (fraction 1/4, halving) along ``step`` from p that stays inside the domain (objective < inf);
+    p itself when even a 1e-12 step does not decrease the objective (rounding has the last word)."""
     f0, t = objective(p), 1.0
-    while t > 1e-30:
+    while t > 1e-12:
         value = objective(p + t * step)
         if value <= f0 + 0.25 * t * slope:
             return p + t * step
@@ -212,11 +216,12 @@ def feasible_point(m: torch.Tensor) -> torch.Tensor | None:
         for _ in range(NEWTON_MAX_ITER):
             grad, hess = phase_one_derivatives(m, z, t)
             step = -torch.linalg.solve(hess, grad)
-            z = backtrack(z, step, functools.partial(phase_one_barrier, m, t), float(grad @ step))
-            if float(z[k]) < 0:
-                return z[:k].clone()
-            if float(-(grad @ step)) / 2 < 1e-12:
+            new = backtrack(z, step, functools.partial(phase_one_barrier, m, t), float(grad @ step))
+            if float(new[k]) < 0:
+                return new[:k].clone()
+            if new is z or float(-(grad @ step)) / 2 < 1e-12:
                 break
+            z = new
         t *= BARRIER_GROWTH
     return None
 
@@ -281,9 +286,13 @@ def centre(m: torch.Tensor, c: torch.Tensor, p: torch.Tensor, t: float) -> torch
         hess = (jac.T / phi**2) @ jac + torch.diag(1 / (p**2 * phi)) + (m.T / (mp**2 * phi)) @ m
         step = -torch.linalg.solve(hess, grad)
         decrement = float(-(grad @ step))
-        if decrement / 2 < 1e-14:
+        # the barrier grows like t, and so does the rounding floor of its decrement: the test is relative to t
+        if decrement / 2 < 1e-14 * max(1.0, t):
             return p
-        p = backtrack(p, step, barrier, -decrement)
+        new = backtrack(p, step, barrier, -decrement)
+        if float((new - p).norm()) <= 1e-14 * float(p.norm()):  # moves in the last bits only: centred
+            return new
+        p = new
     return p
 
 
