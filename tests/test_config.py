@@ -54,7 +54,7 @@ def fields_of(kind: type) -> list[tuple[str, dict, str]]:
     """(section, base raw config, key) for every field of that type: the fixed sections' own fields and every
     registered component's parameters."""
     out = []
-    for section in ("run", "train", "partition", "dataset"):
+    for section in ("run", "train", "partition", "dataset", "server"):
         for key, field in Config.model_fields[section].annotation.model_fields.items():
             if kind in scalar_types(field.annotation):
                 out.append((section, {}, key))
@@ -295,7 +295,11 @@ def test_nesterov_needs_momentum():
             "num_clients, seed, local_test_fraction, local_test, merge_test, alpha, min_size, max_tries",
         ),
         (["algorithm.foo=1"], "unknown key 'algorithm.foo' for algorithm 'fedavg'; valid keys in [algorithm]: name,"),
-        (["server.foo=1"], "unknown key 'server.foo' for server optimiser 'sgd'; valid keys in [server]: name, lr"),
+        (
+            ["server.foo=1"],
+            "unknown key 'server.foo' for server optimiser 'sgd'; valid keys in [server]: name, aggregation, "
+            "gne_solver, gne_normalize, gne_jitter, lr",
+        ),
         (["dataset.name=tinyimagenet", "dataset.foo=1"], "unknown key 'dataset.foo' for dataset 'tinyimagenet'"),
     ],
 )

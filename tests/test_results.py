@@ -145,6 +145,16 @@ def test_labels_name_the_settings_that_differ():
     assert lrs == ["fedavg train.lr=0.01 server.lr=1", "fedavg train.lr=0.1 server.lr=0.5"]
     # Same algorithm, one group has an extra key: the key's presence is what tells them apart.
     assert make_labels([fedavg, {**fedavg, "algorithm.momentum": 0.9}]) == ["fedavg", "fedavg momentum=0.9"]
+    plain = {**fedavg, "server.aggregation": "weights", "server.gne_solver": "newton"}
+    gne = {**plain, "server.aggregation": "gne"}
+    ccp = {**gne, "server.gne_solver": "ccp"}
+    adam = {**gne, "server.name": "fedadam"}
+    assert make_labels([plain, gne, ccp, adam]) == [
+        "fedavg",
+        "fedavg+gne gne_solver=newton",
+        "fedavg+gne gne_solver=ccp",
+        "fedavg+gne+fedadam gne_solver=newton",
+    ]
 
 
 def test_summary_table_mean_and_std_over_seeds(tmp_path):

@@ -206,6 +206,27 @@ class AlgorithmSection(_Component):
 
 class ServerSection(_Component):
     name: str = "sgd"  # server optimiser; "sgd" with lr 1 is plain averaging
+    # How the target model is formed before the server optimiser steps: "weights" is the algorithm's own weighted
+    # average; "gne" replaces its weights by FedRANE's Nash-bargaining weights (Liao et al. 2023, algorithms/gne.py),
+    # for algorithms whose server takes a weighted average of the client models.
+    aggregation: Literal["weights", "gne"] = "weights"
+    # GNE's solver of G^T G p = 1/p: "newton" (the notes' exact convex form) or "ccp" (the paper's Eqs. 15-16)
+    gne_solver: Literal["newton", "ccp"] = "newton"
+    # GNE's scale: "sum_to_one" (official code), "paper" (paper-literal ||G p||^2 = K; the notes' "none", renamed
+    # since an override's none means null), "match_fedavg_norm" (the notes' third option)
+    gne_normalize: Literal["sum_to_one", "paper", "match_fedavg_norm"] = "sum_to_one"
+    # added to the Frobenius-normalised Gram matrix when its smallest eigenvalue is below it (notes, gotcha 3)
+    gne_jitter: float = Field(1e-8, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _gne_options_need_gne(self) -> ServerSection:
+        if self.aggregation != "gne":
+            for key in ("gne_solver", "gne_normalize", "gne_jitter"):
+                if getattr(self, key) != ServerSection.model_fields[key].default:
+                    raise ValueError(
+                        f"server.{key} applies only with server.aggregation='gne' (got {self.aggregation!r})"
+                    )
+        return self
 
 
 class Config(_Strict):

@@ -32,6 +32,7 @@ from fedhet.params import Params
 from fedhet.registry import Registry
 
 if TYPE_CHECKING:
+    from fedhet.algorithms.gne import GNE
     from fedhet.algorithms.server_opt import ServerOptimizer
     from fedhet.config import TrainSection
     from fedhet.engine.flat import FlatModel
@@ -125,6 +126,10 @@ class Algorithm:
     Config: ClassVar[type[AlgoConfig]] = AlgoConfig
     phases: ClassVar[tuple[str, ...]] = ("train",)
     sends_buffers: ClassVar[bool] = True
+    # True: this class's ``aggregate`` forms its target with ``aggregate_target`` (a weighted average of the client
+    # models), so ``server.aggregation = "gne"`` can replace the weights. Read from the class that defines the
+    # ``aggregate`` in use (``accepts_gne``): a subclass that overrides ``aggregate`` must declare it again.
+    weighted_aggregate: ClassVar[bool] = True
 
     def __init__(self, config: AlgoConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
         from fedhet.algorithms.server_opt import ServerOptimizer  # local import: server_opt imports base
@@ -134,6 +139,19 @@ class Algorithm:
         self.server_opt = server_opt or ServerOptimizer()
         self.global_params: torch.Tensor | None = None
         self.global_buffers: torch.Tensor | None = None
+        self.gne: GNE | None = None  # server.aggregation = "gne": Nash-bargaining weights (algorithms/gne.py)
+
+    @classmethod
+    def accepts_gne(cls) -> bool:
+        """Whether the ``aggregate`` this class uses is a weighted average that GNE's weights can replace."""
+        owner = next(c for c in cls.__mro__ if "aggregate" in c.__dict__)
+        return bool(owner.__dict__.get("weighted_aggregate", False))
+
+    def use_gne(self, gne: GNE) -> None:
+        """Aggregate with GNE's Nash-bargaining weights instead of ``aggregation_weights`` (server side only)."""
+        if not self.accepts_gne():
+            raise ValueError(f"{self.name}'s aggregation is not a weighted average of client models: no GNE")
+        self.gne = gne
 
     @classmethod
     def prepare_model(cls, config: AlgoConfig, model: FedModel) -> FedModel:
@@ -173,10 +191,17 @@ class Algorithm:
     def aggregate(self, rnd: int, replies: dict[int, Reply], phase: str) -> dict[str, float]:
         """Weighted average of the replied models, applied through the server optimiser."""
         weights = self.aggregation_weights(replies)
-        target = weighted_sum([r.tensors["params"] for r in replies.values()], weights)
+        target = self.aggregate_target(replies, weights)
         self.global_params = self.server_opt.step(self.global_params, target)
         self.average_buffers(replies, weights)
         return {}
+
+    def aggregate_target(self, replies: dict[int, Reply], weights: list[float]) -> torch.Tensor:
+        """The weighted average of the replied models; with GNE, x + G p (``weights`` are then its fallback)."""
+        params = [r.tensors["params"] for r in replies.values()]
+        if self.gne is None:
+            return weighted_sum(params, weights)
+        return self.gne.target(self.global_params, params, weights)
 
     def aggregation_weights(self, replies: dict[int, Reply]) -> list[float]:
         sizes = [float(r.num_examples) for r in replies.values()]
@@ -196,17 +221,26 @@ class Algorithm:
         ``{name}_acc`` and ``{name}_loss`` (FedDyn's server model and client average). They use the global buffers."""
         return {}
 
+    def aggregation_metrics(self) -> dict[str, float]:
+        """GNE's diagnostics of the last aggregation (logged beside ``round_metrics``); none without GNE."""
+        return {} if self.gne is None else self.gne.metrics()
+
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "global_params": self.global_params,
             "global_buffers": self.global_buffers,
             "server_opt": self.server_opt.state_dict(),
         }
+        if self.gne is not None:
+            state["gne"] = self.gne.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.global_params = state["global_params"]
         self.global_buffers = state["global_buffers"]
         self.server_opt.load_state_dict(state["server_opt"])
+        if self.gne is not None:
+            self.gne.load_state_dict(state["gne"])
 
     # ----------------------------------------------------------------- client side
     # True: several clients of a phase may be trained as one batched computation (engine/batched.py). A class

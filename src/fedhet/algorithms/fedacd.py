@@ -158,6 +158,7 @@ def accumulate(sums: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor, la
 class FedACD(Algorithm):
     name = "fedacd"
     Config = FedACDConfig
+    weighted_aggregate = True  # aggregate records V, then runs the base weighted average (GNE applies)
 
     def __init__(self, config: FedACDConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
         super().__init__(config, setup, server_opt)

@@ -151,6 +151,7 @@ def update_prototypes(
 class FedNH(FedAvg):
     name = "fednh"
     Config = FedNHConfig
+    weighted_aggregate = True  # aggregate runs FedAvg's, then replaces the prototypes (GNE applies)
 
     def __init__(self, config: FedNHConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
         super().__init__(config, setup, server_opt)

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedhet.algorithms.base import ALGORITHMS, ClientContext, Reply, Setup, weighted_sum
+from fedhet.algorithms.base import ALGORITHMS, ClientContext, Reply, Setup
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedhet.engine.flat import FlatModel
 
@@ -106,6 +106,7 @@ class FedRoD(FedAvg):
     name = "fedrod"
     Config = FedRoDConfig
     personalized = True
+    weighted_aggregate = True  # aggregate's target is aggregate_target (server.aggregation = "gne" applies)
 
     def __init__(self, config: FedRoDConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
         super().__init__(config, setup, server_opt)
@@ -138,7 +139,7 @@ class FedRoD(FedAvg):
     # ----------------------------------------------------------------- server side
     def aggregate(self, rnd: int, replies: dict[int, Reply], phase: str) -> dict[str, float]:
         weights = self.aggregation_weights(replies)
-        target = weighted_sum([r.tensors["params"] for r in replies.values()], weights)
+        target = self.aggregate_target(replies, weights)
         if self.keeps_personal:
             # The P slice is every client's initial P-head: a zero pseudo-gradient there, and restored after the
             # step so that no server optimiser can move it.

@@ -25,6 +25,7 @@ from fedhet.algorithms import (
     build_server_optimizer,
 )
 from fedhet.algorithms.base import AlgoConfig
+from fedhet.algorithms.gne import GNE
 from fedhet.config import Config
 from fedhet.data.augment import build_augment
 from fedhet.data.federated import FederatedDataset, federate
@@ -74,7 +75,21 @@ def resolve_config(cfg: Config) -> dict[str, Any]:
         params = parsed.model_dump(mode="json") if parsed is not None else {}
         fixed = {k: v for k, v in out[section].items() if k not in comp.params()}
         out[section] = {**fixed, "name": entry.name, **params}
+    check_aggregation(cfg)
     return out
+
+
+def check_aggregation(cfg: Config) -> None:
+    """``server.aggregation = "gne"`` only for algorithms whose server takes a weighted average of client models."""
+    if cfg.server.aggregation != "gne":
+        return
+    entry = ALGORITHMS.get(cfg.algorithm.name)
+    if not entry.obj.accepts_gne():
+        able = [e.name for e in ALGORITHMS.entries() if e.obj.accepts_gne()]
+        raise ConfigError(
+            f"server.aggregation='gne' replaces the weights of a weighted average of client models, which "
+            f"{entry.name}'s server does not take; algorithms that accept it: {', '.join(able)}"
+        )
 
 
 def build_federation(cfg: Config) -> FederatedDataset:
@@ -117,7 +132,11 @@ def algorithm_config(cfg: Config) -> tuple[type[Algorithm], AlgoConfig]:
 
 def build_algorithm(cfg: Config, setup: Setup) -> Algorithm:
     algo_cls, algo_cfg = algorithm_config(cfg)
-    return algo_cls(algo_cfg, setup, build_server_optimizer(cfg.server.name, cfg.server.params()))
+    algo = algo_cls(algo_cfg, setup, build_server_optimizer(cfg.server.name, cfg.server.params()))
+    server = cfg.server
+    if server.aggregation == "gne":
+        algo.use_gne(GNE(server.gne_solver, server.gne_normalize, server.gne_jitter))
+    return algo
 
 
 # What a resumed run may change: how far it goes and how it reports, never what the rounds so far computed.
@@ -147,13 +166,12 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     for flat in (old, new):
         if flat.get("partition.seed") is None and "run.seed" in flat:
             flat["partition.seed"] = flat["run.seed"]
-    added = component_defaults(current)
+    # A setting that a saved config predates ran with its default (a section field such as server.aggregation, a
+    # component parameter such as algorithm.evaluate), so a run from before it was added still resumes.
+    defaults = {**flatten(Config.model_construct().to_dict()), **component_defaults(current)}
     keys = sorted((set(old) | set(new)) - set(RESUMABLE_CHANGES) - set(LOCATION))
-    return [
-        f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
-        for k in keys
-        if old.get(k) != new.get(k) and not (k not in old and k in added and new[k] == added[k])
-    ]
+    changed = [k for k in keys if old.get(k, defaults.get(k)) != new.get(k)]
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed]
 
 
 def component_defaults(resolved: dict[str, Any]) -> dict[str, Any]:
@@ -413,6 +431,7 @@ class Simulation:
         }
         record.update(self.personal_metrics(rnd))
         record.update(self.algo.round_metrics(rnd))
+        record.update(self.algo.aggregation_metrics())
         return record
 
     def dist_samples(self) -> list[np.ndarray] | None:

@@ -208,19 +208,23 @@ def differing_keys(settings: list[dict[str, Any]], presence_counts: bool) -> lis
         missing = any(key not in s for s in settings)
         if any(len(v) > 1 for v in values.values()) or (presence_counts and missing):
             keys.append(key)
-    keys = [k for k in keys if k not in ("algorithm.name", "server.name")]
+    keys = [k for k in keys if k not in ("algorithm.name", "server.name", "server.aggregation")]
     return sorted(keys, key=lambda k: not k.startswith("algorithm."))
 
 
 def label_for(settings: dict[str, Any], keys: list[str]) -> str:
-    """``fedprox mu=0.1``; a server optimiser other than plain averaging joins the name: ``fedavg+fedadam``."""
+    """``fedprox mu=0.1``; GNE aggregation and a server optimiser other than plain averaging join the name:
+    ``fedavg+gne``, ``fedavg+fedadam``, ``fedavg+gne+fedadam``."""
     names = short_names(keys)
     head = str(settings.get("algorithm.name", "run"))
+    if settings.get("server.aggregation", "weights") != "weights":
+        head += "+" + str(settings["server.aggregation"])
     if settings.get("server.name", "sgd") != "sgd":
         head += "+" + str(settings["server.name"])
     parts = [head]
+    gne = settings.get("server.aggregation") == "gne"
     for k in keys:
-        if k in settings:
+        if k in settings and (gne or not k.startswith("server.gne_")):  # GNE's options mean nothing without it
             name = k.split(".")[0] if k.endswith(".name") else names[k]
             parts.append(f"{name}={format_value(settings[k])}")
     return " ".join(parts)
