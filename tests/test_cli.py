@@ -22,6 +22,8 @@ def test_list_shows_every_registry():
     assert result.exit_code == 0, result.output
     for word in ("fmnist", "dirichlet", "lenet5", "fedprox", "fedadam", "mu=0.01"):
         assert word in result.output
+    assert "hidden=[384, 192]" in result.output  # a default made by a factory is shown as its value
+    assert "Undefined" not in result.output
 
 
 @pytest.mark.parametrize(

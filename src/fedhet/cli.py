@@ -311,7 +311,8 @@ def list_cmd(
         for e in registry.entries():
             params = ""
             if e.params is not None:
-                params = ", ".join(f"{k}={f.default!r}" for k, f in e.params.model_fields.items())
+                fields = e.params.model_fields.items()
+                params = ", ".join(f"{k}={f.get_default(call_default_factory=True)!r}" for k, f in fields)
             table.add_row(e.name, e.summary, params)
         console.print(table)
 
