@@ -142,6 +142,9 @@ def test_federated_calibration_equals_centralised_least_squares():
     mse = ((h @ want.T - y) ** 2).sum(1).mean()
     assert algo.round_metrics(1)["calibration_mse"] == pytest.approx(float(mse), rel=1e-4)
     assert algo.round_metrics(1)["calibration_mse"] < algo.round_metrics(1)["calibration_mse_fixed"]
+    # evaluation and personalised evaluation see the calibrated classifier; training never does
+    assert torch.equal(algo.global_message(2).tensors["buffers"], algo.global_buffers)
+    assert torch.equal(algo.configure(2, [0], TRAIN)[0].tensors["buffers"], algo.with_classifier(algo.fixed))
 
 
 def test_ridge_is_added_to_the_gram_matrix():
