@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from fedhet import plugins
 from fedhet.algorithms import (
     ALGORITHMS,
     SERVER_OPTIMIZERS,
@@ -65,8 +66,10 @@ def component_registries() -> tuple[tuple[str, Registry], ...]:
 def resolve_config(cfg: Config) -> dict[str, Any]:
     """Validate every component's parameters against its registry entry and return the config with all defaults.
 
-    This runs before any data is loaded, so a wrong name or value fails in a second, not after a download.
+    This runs before any data is loaded, so a wrong name or value fails in a second, not after a download. The run's
+    plug-ins are loaded first, so their components are found here as built-in ones are.
     """
+    plugins.load(cfg.run.plugins)
     out = cfg.to_dict()
     for section, registry in component_registries():
         comp = getattr(cfg, section)
@@ -81,6 +84,7 @@ def build_federation(cfg: Config) -> FederatedDataset:
     from fedhet.data.datasets import load_dataset
     from fedhet.data.partition import partition
 
+    plugins.load(cfg.run.plugins)  # a Flower node builds its data here without resolving the config first
     ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir, **cfg.dataset.params()).train_subset(
         cfg.dataset.train_fraction
     )
@@ -126,6 +130,9 @@ RESUMABLE_CHANGES = (
 )
 # Where the run folder is: a moved or copied run folder stays resumable.
 LOCATION = ("run.out_dir", "run.name")
+# Where the plug-in files are (a moved folder may take its plug-in along): the components they provide are compared
+# by name and parameters like any other, and a missing plug-in is an error when the resumed run loads it.
+PLUGIN_PATHS = ("run.plugins",)
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -141,7 +148,7 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
         if flat.get("partition.seed") is None and "run.seed" in flat:
             flat["partition.seed"] = flat["run.seed"]
     added = component_defaults(current)
-    keys = sorted((set(old) | set(new)) - set(RESUMABLE_CHANGES) - set(LOCATION))
+    keys = sorted((set(old) | set(new)) - set(RESUMABLE_CHANGES) - set(LOCATION) - set(PLUGIN_PATHS))
     return [
         f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
         for k in keys
@@ -181,6 +188,7 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
     depends only on (config, message, data, state), never on where it runs."""
     from fedhet.models import build_model
 
+    plugins.load(cfg.run.plugins)  # worker processes and Flower nodes start here
     device = torch.device(cfg.run.device)
     algo_cls, algo_cfg = algorithm_config(cfg)
 
