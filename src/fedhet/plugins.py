@@ -30,6 +30,7 @@ GROUP = "fedhet.plugins"
 
 _loaded: dict[str, str] = {}  # spec as given (file paths absolute) -> module name
 _entry_points_loaded = False
+_sources: dict[str, bytes] = {}  # module name -> the bytes of the plug-in file it was loaded from
 
 
 def is_file(spec: str) -> bool:
@@ -93,10 +94,12 @@ def _load_file(path: str) -> str:
         raise ConfigError(f"plug-in file {path!r}: its name must be a Python identifier (e.g. my_method.py)")
     existing = sys.modules.get(name)
     if existing is not None:
-        same = getattr(existing, "__file__", None) and Path(existing.__file__).resolve() == file.resolve()
-        if same:  # already imported by the user's own code: its registrations are in place
+        if _same_source(name, getattr(existing, "__file__", None), file):
+            # imported already (by the user's code, or a copy of this file: a moved plug-in, an app folder's copy)
             return name
-        raise ConfigError(f"plug-in file {path!r}: a module named {name!r} is already imported; rename the file")
+        raise ConfigError(
+            f"plug-in file {path!r}: a different module named {name!r} is already imported; rename the file"
+        )
     spec = importlib.util.spec_from_file_location(name, file)
     if spec is None or spec.loader is None:
         raise ConfigError(f"plug-in file {path!r} cannot be imported as Python")
@@ -108,7 +111,14 @@ def _load_file(path: str) -> str:
     except Exception as err:
         del sys.modules[name]
         raise ConfigError(f"plug-in file {path!r} failed to load: {_why(err)}") from err
+    _sources[name] = file.read_bytes()
     return name
+
+
+def _same_source(name: str, loaded: str | None, file: Path) -> bool:
+    if loaded is not None and Path(loaded).resolve() == file.resolve():
+        return True
+    return _sources.get(name) == file.read_bytes()
 
 
 def _load_module(name: str) -> str:
