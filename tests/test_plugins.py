@@ -317,3 +317,20 @@ def test_plugin_specs_are_checked_when_the_config_is_built(tmp_path, monkeypatch
         build_config({"run": {"plugins": ["a b"]}})
     with pytest.raises(ConfigError, match=r"^plug-in module 'no_such_fedhet_plugin' \(run.plugins\) is not importable"):
         plugins.load(["no_such_fedhet_plugin"])
+
+
+@pytest.mark.slow  # Ray start-up
+def test_flower_simulate_runs_a_plugin_method_quietly(tmp_path):
+    """`fedhet flower simulate --plugin FILE -a NAME` in a process of its own: the Ray actors load the plug-in from
+    the config, and Flower's and Ray's warnings stay off the console."""
+    pytest.importorskip("flwr")
+    pytest.importorskip("ray")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "FLWR_TELEMETRY_ENABLED": "0"}
+    args = ["flower", "simulate", "--plugin", str(EXAMPLE), "-a", "fedavg_ls", "-d", "digits", "-m", "mlp"]
+    args += ["-n", "3", "-r", "1", "-o", str(tmp_path / "runs"), "--name", "ray", "--num-cpus", "1"]
+    args += ["-s", "run.progress=false", "-s", "model.hidden=[16]", "-s", "partition.min_size=20"]
+    done = subprocess.run([sys.executable, "-m", "fedhet.cli", *args], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == ""
+    assert done.stdout.startswith("done ray: round 1, test_acc=")
+    assert json.loads((tmp_path / "runs" / "ray" / "config.json").read_text())["algorithm"]["name"] == "fedavg_ls"
