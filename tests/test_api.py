@@ -118,9 +118,12 @@ def test_to_dataframe_or_a_clear_error_without_pandas(tmp_path):
     except ImportError:
         with pytest.raises(ImportError, match=r"^to_dataframe needs pandas \(pip install pandas\)"):
             result.to_dataframe()
+        with pytest.raises(ImportError, match=r"^to_dataframe needs pandas"):
+            fedhet.records_dataframe([result])
         return
     frame = result.to_dataframe()
     assert list(frame["round"]) == [1] and set(frame["run"]) == {"df"}
+    assert len(fedhet.records_dataframe([result, result])) == 2
 
 
 def test_compare_with_shortcuts_grid_and_report(tmp_path, monkeypatch):

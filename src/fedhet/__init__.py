@@ -7,9 +7,10 @@ The Python API (``fedhet/api.py``; the CLI is built on it)::
     result = fedhet.run({"dataset": {"name": "digits"}, "model": {"name": "mlp"}}, algorithm="scaffold", rounds=5)
     print(result.final["test_acc"])
 
-``make_config``, ``run``, ``resume``, ``compare``, ``report``, ``load_run`` / ``load_runs`` and ``RunResult`` are
-here; ``load_plugins`` loads plug-ins (algorithms, models, datasets, partitioners defined outside fedhet). They are
-imported on first use, so ``import fedhet`` stays light.
+``make_config``, ``run``, ``resume``, ``compare``, ``report``, ``load_run`` / ``load_runs``, ``RunResult`` and
+``records_dataframe`` (several runs' records as one pandas DataFrame) are here; ``load_plugins`` loads plug-ins
+(algorithms, models, datasets, partitioners defined outside fedhet). They are imported on first use, so
+``import fedhet`` stays light.
 """
 
 from __future__ import annotations
@@ -20,7 +21,17 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from fedhet.api import RunResult, compare, load_run, load_runs, make_config, report, resume, run
+    from fedhet.api import (
+        RunResult,
+        compare,
+        load_run,
+        load_runs,
+        make_config,
+        records_dataframe,
+        report,
+        resume,
+        run,
+    )
     from fedhet.config import Config
     from fedhet.plugins import load as load_plugins
 
@@ -35,6 +46,7 @@ _API = {
     "report": ("fedhet.api", "report"),
     "load_run": ("fedhet.api", "load_run"),
     "load_runs": ("fedhet.api", "load_runs"),
+    "records_dataframe": ("fedhet.api", "records_dataframe"),
     "load_plugins": ("fedhet.plugins", "load"),
 }
 
@@ -47,6 +59,7 @@ __all__ = [
     "load_run",
     "load_runs",
     "make_config",
+    "records_dataframe",
     "report",
     "resume",
     "run",
