@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from fedhet.cells import Cell, by_data, parse_jobs, usable_cores
 from fedhet.cli import app
-from fedhet.compare import grid_points, parse_grid_option, plan_comparison, split_values
+from fedhet.comparison import grid_points, parse_grid_option, plan_comparison, split_values
 from fedhet.engine.checkpoint import read_checkpoint
 from fedhet.engine.simulation import Simulation
 from fedhet.errors import ConfigError, RunFailed

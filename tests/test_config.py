@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fedhet.algorithms import ALGORITHMS, SERVER_OPTIMIZERS
-from fedhet.compare import variant_raw
+from fedhet.comparison import variant_raw
 from fedhet.config import Config, build_config, load_config
 from fedhet.data.datasets import DATASETS
 from fedhet.data.partition import PARTITIONERS

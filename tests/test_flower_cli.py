@@ -34,7 +34,7 @@ def config_file(tmp_path):
 
 def test_flower_app_writes_an_app_folder_with_the_config(tmp_path, config_file):
     out = tmp_path / "prox-app"
-    result = runner.invoke(app, ["flower", "app", "-c", str(config_file), "-s", "train.lr=0.05", "-o", str(out)])
+    result = runner.invoke(app, ["flower", "app", str(out), "-c", str(config_file), "-s", "train.lr=0.05"])
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == ["fedhet.toml", "fedhet_app.py", "pyproject.toml"]
     written = load_config(out / "fedhet.toml")
@@ -43,17 +43,17 @@ def test_flower_app_writes_an_app_folder_with_the_config(tmp_path, config_file):
     assert flwr_app["components"] == {"serverapp": "fedhet_app:server_app", "clientapp": "fedhet_app:client_app"}
     assert flwr_app["config"]["config"] == "fedhet.toml"
 
-    again = runner.invoke(app, ["flower", "app", "-c", str(config_file), "-o", str(out)])
+    again = runner.invoke(app, ["flower", "app", str(out), "-c", str(config_file)])
     assert again.exit_code != 0 and "not empty" in str(again.exception)
 
 
 def test_flower_app_for_gpu_machines_can_be_written_on_a_cpu_one(tmp_path, config_file):
     """The app runs on the SuperLink's machines, so its run.device is checked there; a bad name still fails here."""
     out = tmp_path / "gpu-app"
-    result = runner.invoke(app, ["flower", "app", "-c", str(config_file), "-s", "run.device=cuda:1", "-o", str(out)])
+    result = runner.invoke(app, ["flower", "app", str(out), "-c", str(config_file), "-s", "run.device=cuda:1"])
     assert result.exit_code == 0, result.output
     assert tomllib.loads((out / "fedhet.toml").read_text())["run"]["device"] == "cuda:1"
-    bad = runner.invoke(app, ["flower", "app", "-c", str(config_file), "-s", "run.device=tpu9", "-o", str(out)])
+    bad = runner.invoke(app, ["flower", "app", str(out), "-c", str(config_file), "-s", "run.device=tpu9"])
     assert "run.device: not a device torch knows" in str(bad.exception)
 
 

@@ -3,16 +3,34 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from fedhet import api
+from fedhet.cli_shared import (
+    AlgorithmOpt,
+    ClientsOpt,
+    ConfigOpt,
+    DataDirOpt,
+    DatasetOpt,
+    ModelOpt,
+    NameOpt,
+    OutOpt,
+    PartitionOpt,
+    PluginOpt,
+    RoundsOpt,
+    SeedOpt,
+    ServerOpt,
+    SetOpt,
+    console,
+    err_console,
+    interrupted,
+    print_final,
+)
 from fedhet.errors import ConfigError, FedhetError, Interrupted, RunFailed
 from fedhet.flower.cli import flower_app
 
@@ -23,79 +41,51 @@ app = typer.Typer(
     help="Federated learning on non-IID data: run, compare and report FL algorithms.",
 )
 app.add_typer(flower_app, name="flower")  # fedhet flower app | simulate | export (fedhet.flower.cli)
-# Piped output (CI logs, `| tee`) gets a wide console so tables are not squeezed to 80 columns.
-console = Console(width=None if sys.stdout.isatty() else 200)
-err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
-
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file.")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override, e.g. -s train.lr=0.05 (repeat).")]
-
-
-def _overrides(sets: list[str] | None, **flags: Any) -> list[str]:
-    """Turn the convenience flags into dotted overrides; explicit -s values come last and win."""
-    keys = {
-        "algorithm": "algorithm.name",
-        "dataset": "dataset.name",
-        "partition": "partition.name",
-        "model": "model.name",
-        "rounds": "run.rounds",
-        "seed": "run.seed",
-        "out": "run.out_dir",
-        "name": "run.name",
-        "clients": "partition.num_clients",
-        "data_dir": "dataset.data_dir",
-        "server": "server.name",
-    }
-    out = [f"{keys[k]}={v!r}" if isinstance(v, str) else f"{keys[k]}={v}" for k, v in flags.items() if v is not None]
-    return out + list(sets or [])
 
 
 @app.command()
 def run(
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    algorithm: Annotated[str | None, typer.Option("--algorithm", "-a")] = None,
-    dataset: Annotated[str | None, typer.Option("--dataset", "-d")] = None,
-    partition: Annotated[str | None, typer.Option("--partition", "-p")] = None,
-    model: Annotated[str | None, typer.Option("--model", "-m")] = None,
-    server: Annotated[str | None, typer.Option("--server", help="Server optimiser (sgd, fedavgm, fedadam...).")] = None,
-    rounds: Annotated[int | None, typer.Option("--rounds", "-r")] = None,
-    clients: Annotated[int | None, typer.Option("--clients", "-n", help="Number of clients.")] = None,
-    seed: Annotated[int | None, typer.Option("--seed")] = None,
-    out: Annotated[str | None, typer.Option("--out", "-o", help="Parent folder of run folders.")] = None,
-    name: Annotated[str | None, typer.Option("--name")] = None,
-    data_dir: Annotated[str | None, typer.Option("--data-dir")] = None,
+    algorithm: AlgorithmOpt = None,
+    dataset: DatasetOpt = None,
+    partition: PartitionOpt = None,
+    model: ModelOpt = None,
+    server: ServerOpt = None,
+    rounds: RoundsOpt = None,
+    clients: ClientsOpt = None,
+    seed: SeedOpt = None,
+    out: OutOpt = None,
+    name: NameOpt = None,
+    data_dir: DataDirOpt = None,
+    plugin: PluginOpt = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's last checkpoint.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run folder.")] = False,
 ) -> None:
     """Train one algorithm on one federated setting; writes a run folder (config, metrics, checkpoints)."""
-    from fedhet.config import load_config
     from fedhet.engine.rundir import check_run_flags
-    from fedhet.engine.simulation import Simulation
 
     check_run_flags(resume, overwrite)
-
-    cfg = load_config(
+    cfg = api.make_config(
         config,
-        _overrides(
-            set_,
-            algorithm=algorithm,
-            dataset=dataset,
-            partition=partition,
-            model=model,
-            server=server,
-            rounds=rounds,
-            clients=clients,
-            seed=seed,
-            out=out,
-            name=name,
-            data_dir=data_dir,
-        ),
+        set_,
+        plugins=plugin or (),
+        algorithm=algorithm,
+        dataset=dataset,
+        partition=partition,
+        model=model,
+        server=server,
+        rounds=rounds,
+        clients=clients,
+        seed=seed,
+        out=out,
+        name=name,
+        data_dir=data_dir,
     )
-    sim = Simulation(cfg, console=err_console)
-    with _interrupted(f"the last checkpoint is kept; continue with --resume or: fedhet resume {sim.run_dir}"):
-        summary = sim.run(resume=resume, overwrite=overwrite)
-    _print_final(summary, sim.run_dir)
+    run_dir = api.run_dir_of(cfg)
+    with interrupted(f"the last checkpoint is kept; continue with --resume or: fedhet resume {run_dir}"):
+        result = api.run(cfg, resume=resume, overwrite=overwrite, console=err_console)
+    print_final(result.summary, result.run_dir)
 
 
 @app.command()
@@ -103,36 +93,15 @@ def resume(
     run_dir: Annotated[Path, typer.Argument(help="The run folder to continue (it may have been moved or copied).")],
     rounds: Annotated[int | None, typer.Option("--rounds", "-r", help="Train to this round (extends a run).")] = None,
     set_: SetOpt = None,
+    plugin: Annotated[
+        list[str] | None,
+        typer.Option("--plugin", help="Replace the run's plug-ins (run.plugins), e.g. where their files moved."),
+    ] = None,
 ) -> None:
     """Continue a killed run (or extend a finished one) from its folder alone, with the config saved in it."""
-    from fedhet.config import saved_run_config
-    from fedhet.engine.simulation import Simulation
-
-    cfg = saved_run_config(run_dir, _overrides(set_, rounds=rounds))
-    sim = Simulation(cfg, console=err_console)
-    with _interrupted(f"the last checkpoint is kept; continue with: fedhet resume {sim.run_dir}"):
-        summary = sim.run(resume=True)
-    _print_final(summary, sim.run_dir)
-
-
-@contextmanager
-def _interrupted(how_to_continue: str) -> Iterator[None]:
-    """Ctrl-C while training: exit 130 with a message (typer would turn KeyboardInterrupt into a silent exit)."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        raise Interrupted(how_to_continue) from None
-
-
-def _print_final(summary: dict[str, Any], run_dir: Path) -> None:
-    final = summary.get("final", {})
-    parts = [
-        f"{k}={100 * final[k]:.2f}%"
-        for k in ("test_acc", "test_acc_ema", "client_dist_acc", "client_acc_worst10")
-        if final.get(k) is not None
-    ]
-    console.print(f"[green]done[/] {escape(summary['name'])}: round {summary['rounds_done']}, " + ", ".join(parts))
-    console.print(escape(f"run folder: {run_dir}"))
+    with interrupted(f"the last checkpoint is kept; continue with: fedhet resume {run_dir}"):
+        result = api.resume(run_dir, rounds, set_ or (), plugins=plugin, console=err_console)
+    print_final(result.summary, result.run_dir)
 
 
 @app.command()
@@ -166,8 +135,20 @@ def compare(
             "brackets: -g model.hidden=[32],[64,64]). Each point gets a folder named by its values (alpha0.1).",
         ),
     ] = None,
-    out: Annotated[str | None, typer.Option("--out", "-o")] = None,
-    rounds: Annotated[int | None, typer.Option("--rounds", "-r")] = None,
+    algorithm: Annotated[str | None, typer.Option("--algorithm", "-a", help="One variant (as --variants X).")] = None,
+    dataset: DatasetOpt = None,
+    partition: PartitionOpt = None,
+    model: ModelOpt = None,
+    server: ServerOpt = None,
+    rounds: RoundsOpt = None,
+    clients: ClientsOpt = None,
+    seed: Annotated[int | None, typer.Option("--seed", help="One seed (as --seeds N).")] = None,
+    out: OutOpt = None,
+    name: Annotated[
+        str | None, typer.Option("--name", help="The comparison's folder, under --out (run.out_dir).")
+    ] = None,
+    data_dir: DataDirOpt = None,
+    plugin: PluginOpt = None,
     jobs: Annotated[
         str, typer.Option("--jobs", "-j", help="Cells run at once, in worker processes; 0 or auto: one per core.")
     ] = "1",
@@ -187,27 +168,38 @@ def compare(
 
     Rerunning the same command skips finished cells and continues killed ones from their last checkpoint."""
     from fedhet.cells import parse_jobs
-    from fedhet.compare import run_comparison
     from fedhet.engine.rundir import check_run_flags
 
     check_run_flags(resume, overwrite)
-    with _interrupted(
+    with interrupted(
         "every cell keeps its last checkpoint; run the same command again to continue (finished cells are "
         "skipped, the others resume)"
     ):
-        run_comparison(
+        api.compare(
             config,
-            _overrides(set_, rounds=rounds, out=out),
-            variants,
-            seeds,
+            set_,
+            variants=variants,
+            seeds=seeds,
             grid=grid,
             partitions=partitions,
             jobs=parse_jobs(jobs),
             threads=threads,
             overwrite=overwrite,
             dry_run=dry_run,
+            plugins=plugin or (),
             console=console,
             err_console=err_console,
+            algorithm=algorithm,
+            dataset=dataset,
+            partition=partition,
+            model=model,
+            server=server,
+            rounds=rounds,
+            clients=clients,
+            seed=seed,
+            out=out,
+            name=name,
+            data_dir=data_dir,
         )
 
 
@@ -215,25 +207,30 @@ def compare(
 def partition_cmd(
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    dataset: Annotated[str | None, typer.Option("--dataset", "-d")] = None,
-    partition: Annotated[str | None, typer.Option("--partition", "-p")] = None,
-    clients: Annotated[int | None, typer.Option("--clients", "-n")] = None,
-    seed: Annotated[int | None, typer.Option("--seed")] = None,
-    data_dir: Annotated[str | None, typer.Option("--data-dir")] = None,
+    dataset: DatasetOpt = None,
+    partition: PartitionOpt = None,
+    clients: ClientsOpt = None,
+    seed: SeedOpt = None,
+    data_dir: DataDirOpt = None,
+    plugin: PluginOpt = None,
     plot: Annotated[Path, typer.Option("--plot", help="Where to write the label-distribution plot.")] = Path(
         "partition.png"
     ),
 ) -> None:
     """Show how a dataset is split across clients: sizes, label counts, and a label-distribution plot."""
-    from fedhet.config import load_config
-    from fedhet.engine.simulation import build_federation, resolve_config
+    from fedhet.engine.simulation import build_federation
     from fedhet.results.plots import plot_label_distribution
 
-    cfg = load_config(
+    cfg = api.make_config(
         config,
-        _overrides(set_, dataset=dataset, partition=partition, clients=clients, seed=seed, data_dir=data_dir),
+        set_,
+        plugins=plugin or (),
+        dataset=dataset,
+        partition=partition,
+        clients=clients,
+        seed=seed,
+        data_dir=data_dir,
     )
-    resolve_config(cfg)
     fed = build_federation(cfg)
     counts = fed.train_counts
     table = Table(title=f"{cfg.dataset.name} / {cfg.partition.name} {cfg.partition.params() or ''}")
@@ -285,8 +282,10 @@ def report(
 @app.command("list")
 def list_cmd(
     what: Annotated[str | None, typer.Argument(help="datasets | partitioners | models | algorithms | servers")] = None,
+    plugin: PluginOpt = None,
 ) -> None:
-    """List what fedhet offers, with one-line descriptions and each parameter's default."""
+    """List what fedhet offers (and the plug-ins provide), with one-line descriptions and each parameter's default."""
+    from fedhet import plugins
     from fedhet.algorithms import ALGORITHMS, SERVER_OPTIMIZERS
     from fedhet.data.datasets import DATASETS
     from fedhet.data.partition import PARTITIONERS
@@ -301,6 +300,11 @@ def list_cmd(
     }
     if what is not None and what not in kinds:
         raise ConfigError(f"unknown list {what!r}; choose one of: {', '.join(kinds)}")
+    try:
+        specs = [plugins.normalise(spec) for spec in plugin or ()]
+    except ValueError as err:
+        raise ConfigError(f"--plugin: {err}") from None
+    plugins.load(specs)
     for kind, registry in kinds.items():
         if what not in (None, kind):
             continue

@@ -62,6 +62,16 @@ class RunSection(_Strict):
     # expectation, client_dist_acc, is always logged
     client_dist_sampled: bool = False
     client_dist_sample_size: int | None = Field(None, ge=1)  # None: as many as the client's training samples
+    # plug-ins that register components from outside fedhet (fedhet/plugins.py): .py files (absolute once built;
+    # in a TOML file relative to its folder) or module names; installed entry points need no mention
+    plugins: list[str] = []
+
+    @field_validator("plugins")
+    @classmethod
+    def _plugins(cls, value: list[str]) -> list[str]:
+        from fedhet.plugins import normalise
+
+        return list(dict.fromkeys(normalise(no_nul(spec)) for spec in value))
 
     @field_validator("name")
     @classmethod
@@ -343,6 +353,19 @@ def load_raw(path: str | Path | None) -> dict[str, Any]:
         raise ConfigError(f"config file {name} is not valid TOML: {' '.join(str(err).split())}") from None
 
 
+def plugins_from_file(raw: dict[str, Any], path: str | Path | None) -> dict[str, Any]:
+    """``raw`` with the plug-in files its TOML file names (``run.plugins``) taken relative to that file's folder, so
+    a config and its plug-in can move together (a Flower app folder)."""
+    from fedhet.plugins import normalise
+
+    run = raw.get("run")
+    specs = run.get("plugins") if isinstance(run, dict) else None
+    if path is None or not isinstance(specs, list) or not all(isinstance(s, str) and s.strip() for s in specs):
+        return raw  # nothing to place, or a wrong value that validation words
+    run["plugins"] = [normalise(spec, Path(path).resolve().parent) for spec in specs]
+    return raw
+
+
 def build_config(raw: dict[str, Any], *, runs_here: bool = True) -> Config:
     """The validated config; ``runs_here=False`` for one that runs on other machines (a Flower app folder), whose
     ``run.device`` is then only checked to be a device name, not to be present here."""
@@ -355,7 +378,7 @@ def build_config(raw: dict[str, Any], *, runs_here: bool = True) -> Config:
 def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None, *, runs_here: bool = True
 ) -> Config:
-    raw = load_raw(path)
+    raw = plugins_from_file(load_raw(path), path)
     raw.pop("compare", None)  # a comparison's variant list; `fedhet run` on such a file runs its base setting
     for item in overrides or []:
         apply_override(raw, item)

@@ -82,7 +82,10 @@ class Registry:
     def get(self, name: str) -> Entry:
         key = name.lower()
         if key not in self._entries:
-            raise unknown_choice(self.kind, name, self._entries)
+            err = unknown_choice(self.kind, name, self._entries)
+            if self.kind in _SECTION_OF:  # a config section names it: it may come from a plug-in not loaded
+                err.args = (f"{err} (one from outside fedhet needs its plug-in: --plugin FILE.py or run.plugins)",)
+            raise err
         return self._entries[key]
 
     def parse(self, name: str, params: dict[str, Any]) -> tuple[Entry, BaseModel | None]:

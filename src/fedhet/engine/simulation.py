@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from fedhet import plugins
 from fedhet.algorithms import (
     ALGORITHMS,
     SERVER_OPTIMIZERS,
@@ -66,8 +67,10 @@ def component_registries() -> tuple[tuple[str, Registry], ...]:
 def resolve_config(cfg: Config) -> dict[str, Any]:
     """Validate every component's parameters against its registry entry and return the config with all defaults.
 
-    This runs before any data is loaded, so a wrong name or value fails in a second, not after a download.
+    This runs before any data is loaded, so a wrong name or value fails in a second, not after a download. The run's
+    plug-ins are loaded first, so their components are found here as built-in ones are.
     """
+    plugins.load(cfg.run.plugins)
     out = cfg.to_dict()
     for section, registry in component_registries():
         comp = getattr(cfg, section)
@@ -96,6 +99,7 @@ def build_federation(cfg: Config) -> FederatedDataset:
     from fedhet.data.datasets import load_dataset
     from fedhet.data.partition import label_counts, match_test, partition
 
+    plugins.load(cfg.run.plugins)  # a Flower node builds its data here without resolving the config first
     ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir, **cfg.dataset.params()).train_subset(
         cfg.dataset.train_fraction
     )
@@ -152,6 +156,9 @@ RESUMABLE_CHANGES = (
 )
 # Where the run folder is: a moved or copied run folder stays resumable.
 LOCATION = ("run.out_dir", "run.name")
+# Where the plug-in files are (a moved folder may take its plug-in along): the components they provide are compared
+# by name and parameters like any other, and a missing plug-in is an error when the resumed run loads it.
+PLUGIN_PATHS = ("run.plugins",)
 
 
 def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -169,7 +176,7 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     # A setting that a saved config predates ran with its default (a section field such as server.aggregation, a
     # component parameter such as algorithm.evaluate), so a run from before it was added still resumes.
     defaults = {**flatten(Config.model_construct().to_dict()), **component_defaults(current)}
-    keys = sorted((set(old) | set(new)) - set(RESUMABLE_CHANGES) - set(LOCATION))
+    keys = sorted((set(old) | set(new)) - set(RESUMABLE_CHANGES) - set(LOCATION) - set(PLUGIN_PATHS))
     changed = [k for k in keys if old.get(k, defaults.get(k)) != new.get(k)]
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed]
 
@@ -206,6 +213,7 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
     depends only on (config, message, data, state), never on where it runs."""
     from fedhet.models import build_model
 
+    plugins.load(cfg.run.plugins)  # worker processes and Flower nodes start here
     device = torch.device(cfg.run.device)
     algo_cls, algo_cfg = algorithm_config(cfg)
 

@@ -1,7 +1,9 @@
 """Write a runnable Flower app folder (for ``flwr run``) from a fedhet config.
 
-The folder holds three small files and no algorithm code: everything runs from the installed fedhet package, so
+The folder holds three small files and no fedhet code: everything runs from the installed fedhet package, so
 fedhet (with its ``flower`` extra) must be installed on the SuperLink machine and on every SuperNode machine.
+Plug-in files of the config (``run.plugins``) are copied into ``plugins/`` and named relative to fedhet.toml, so
+they travel with the app; plug-in modules and installed entry points must be installed there like fedhet.
 
 * ``pyproject.toml``: Flower app metadata, the ServerApp / ClientApp components and the run config (``RUN_CONFIG``)
 * ``fedhet.toml``: the fedhet config of the run (edit it, or override keys with ``--run-config 'overrides="..."'``)
@@ -11,6 +13,7 @@ fedhet (with its ``flower`` extra) must be installed on the SuperLink machine an
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +86,29 @@ def write_app(cfg: Config, out_dir: str | Path, name: str | None = None, force: 
     out.mkdir(parents=True, exist_ok=True)
     name = app_name(name or out.resolve().name)
     (out / "pyproject.toml").write_text(tomli_w.dumps(pyproject(name, cfg)))
-    (out / "fedhet.toml").write_text(tomli_w.dumps(drop_none(cfg.to_dict())))
+    raw = drop_none(cfg.to_dict())
+    raw["run"]["plugins"] = bundle_plugins(cfg.run.plugins, out)
+    (out / "fedhet.toml").write_text(tomli_w.dumps(raw))
     (out / "fedhet_app.py").write_text(MODULE)
     return out
+
+
+def bundle_plugins(specs: list[str], out: Path) -> list[str]:
+    """Copy the plug-in files into ``out/plugins``; returns the specs as fedhet.toml names them (files relative to
+    it, modules unchanged)."""
+    from fedhet.plugins import is_file
+
+    names = [Path(spec).name for spec in specs if is_file(spec)]
+    if len(set(names)) < len(names):
+        raise ConfigError(f"plug-in files with the same name cannot share an app folder: {', '.join(names)}")
+    bundled = []
+    for spec in specs:
+        if not is_file(spec):
+            bundled.append(spec)
+            continue
+        target = out / "plugins" / Path(spec).name
+        target.parent.mkdir(exist_ok=True)
+        if Path(spec).resolve() != target.resolve():
+            shutil.copyfile(spec, target)
+        bundled.append(f"plugins/{target.name}")
+    return bundled

@@ -2,43 +2,93 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
+
+from fedhet.cli_shared import (
+    AlgorithmOpt,
+    ClientsOpt,
+    ConfigOpt,
+    DataDirOpt,
+    DatasetOpt,
+    ModelOpt,
+    NameOpt,
+    OutOpt,
+    PartitionOpt,
+    PluginOpt,
+    RoundsOpt,
+    SeedOpt,
+    ServerOpt,
+    SetOpt,
+    VerboseOpt,
+    console,
+    interrupted,
+    print_final,
+    quiet_libraries,
+)
 
 flower_app = typer.Typer(
     no_args_is_help=True,
     help="Run fedhet algorithms on Flower: app folders for `flwr run` (SuperLink + SuperNodes), Flower's Ray "
     "simulation, and per-client data files for SuperNodes.",
 )
-console = Console(width=None if sys.stdout.isatty() else 160)
-
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="fedhet TOML config file.")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override, e.g. -s train.lr=0.05 (repeat).")]
 
 
-def _config(config: Path | None, sets: list[str] | None, runs_here: bool = True):
-    from fedhet.config import load_config
+def _config(config: Path | None, sets: list[str] | None, plugins: list[str] | None, runs_here: bool = True, **kw: Any):
+    from fedhet.api import make_config
 
-    return load_config(config, list(sets or []), runs_here=runs_here)
+    return make_config(config, sets, plugins=plugins or (), runs_here=runs_here, **kw)
 
 
 @flower_app.command("app")
 def app_cmd(
-    out: Annotated[Path, typer.Option("--out", "-o", help="App folder to write (its name is the app's name).")],
+    app_dir: Annotated[Path, typer.Argument(help="App folder to write (its name is the app's name).")],
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    name: Annotated[str | None, typer.Option("--name", help="Flower app name (default: the folder's name).")] = None,
+    algorithm: AlgorithmOpt = None,
+    dataset: DatasetOpt = None,
+    partition: PartitionOpt = None,
+    model: ModelOpt = None,
+    server: ServerOpt = None,
+    rounds: RoundsOpt = None,
+    clients: ClientsOpt = None,
+    seed: SeedOpt = None,
+    out: Annotated[
+        str | None, typer.Option("--out", "-o", help="Parent folder of run folders on the SuperLink (run.out_dir).")
+    ] = None,
+    name: NameOpt = None,
+    data_dir: DataDirOpt = None,
+    plugin: Annotated[
+        list[str] | None,
+        typer.Option("--plugin", help="A plug-in .py file (copied into the app folder) or module (repeat)."),
+    ] = None,
+    app_name: Annotated[str | None, typer.Option("--app-name", help="Flower app name (default: the folder's).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite the app files of a non-empty folder.")] = False,
 ) -> None:
     """Write a Flower app folder (pyproject.toml, fedhet.toml, fedhet_app.py) to start with `flwr run`."""
     from fedhet.flower.bundle import write_app
 
     # the app runs on the SuperLink's machines: its run.device is checked there, not here
-    folder = write_app(_config(config, set_, runs_here=False), out, name=name, force=force)
+    cfg = _config(
+        config,
+        set_,
+        plugin,
+        runs_here=False,
+        algorithm=algorithm,
+        dataset=dataset,
+        partition=partition,
+        model=model,
+        server=server,
+        rounds=rounds,
+        clients=clients,
+        seed=seed,
+        out=out,
+        name=name,
+        data_dir=data_dir,
+    )
+    folder = write_app(cfg, app_dir, name=app_name, force=force)
     console.print(f"[green]Flower app[/] written to {folder}")
     console.print("run it on a SuperLink:  flwr run " + f"{folder} <superlink-connection> --stream")
     console.print("see docs/deploy.md for the SuperLink, SuperNode, TLS and authentication steps")
@@ -48,6 +98,18 @@ def app_cmd(
 def simulate_cmd(
     config: ConfigOpt = None,
     set_: SetOpt = None,
+    algorithm: AlgorithmOpt = None,
+    dataset: DatasetOpt = None,
+    partition: PartitionOpt = None,
+    model: ModelOpt = None,
+    server: ServerOpt = None,
+    rounds: RoundsOpt = None,
+    clients: ClientsOpt = None,
+    seed: SeedOpt = None,
+    out: OutOpt = None,
+    name: NameOpt = None,
+    data_dir: DataDirOpt = None,
+    plugin: PluginOpt = None,
     client_cpus: Annotated[float, typer.Option("--client-cpus", help="CPUs of one ClientApp worker.")] = 1.0,
     client_gpus: Annotated[float, typer.Option("--client-gpus", help="GPUs of one worker (fractions share).")] = 0.0,
     num_cpus: Annotated[int | None, typer.Option("--num-cpus", help="CPUs Ray may use here (default: all).")] = None,
@@ -74,36 +136,64 @@ def simulate_cmd(
             help="Continue a run even where client-held state was lost (noted in notices.jsonl); otherwise it stops.",
         ),
     ] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", help="Flower's debug logs.")] = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Run a config in Flower's Ray simulation (one virtual SuperNode per client); writes the usual run folder."""
-    from fedhet.cli import _print_final
+    from fedhet.api import run_dir_of
+    from fedhet.engine.rundir import check_run_flags
     from fedhet.flower.app import RunOptions
     from fedhet.flower.raysim import run_ray_simulation
 
-    cfg = _config(config, set_)
-    options = RunOptions(resume=resume, overwrite=overwrite, accept_state_loss=accept_state_loss)
-    summary = run_ray_simulation(
-        cfg,
-        options,
-        client_cpus,
-        client_gpus,
-        num_cpus,
-        verbose,
-        node_state_dir=node_state_dir,
-        node_state=not no_node_state,
+    check_run_flags(resume, overwrite)
+    cfg = _config(
+        config,
+        set_,
+        plugin,
+        algorithm=algorithm,
+        dataset=dataset,
+        partition=partition,
+        model=model,
+        server=server,
+        rounds=rounds,
+        clients=clients,
+        seed=seed,
+        out=out,
+        name=name,
+        data_dir=data_dir,
     )
-    _print_final(summary, Path(cfg.run.out_dir) / summary["name"])
+    options = RunOptions(resume=resume, overwrite=overwrite, accept_state_loss=accept_state_loss)
+    run_dir = run_dir_of(cfg)
+    with interrupted(f"the last checkpoint is kept; continue with --resume ({run_dir})"), quiet_libraries(verbose):
+        summary = run_ray_simulation(
+            cfg,
+            options,
+            client_cpus,
+            client_gpus,
+            num_cpus,
+            verbose,
+            node_state_dir=node_state_dir,
+            node_state=not no_node_state,
+        )
+    print_final(summary, run_dir)
 
 
 @flower_app.command("export")
 def export_cmd(
-    out: Annotated[Path, typer.Option("--out", "-o", help="Folder for the client_<id>.npz files.")],
+    out_folder: Annotated[Path, typer.Option("--out", "-o", help="Folder for the client_<id>.npz files.")],
     config: ConfigOpt = None,
     set_: SetOpt = None,
+    dataset: DatasetOpt = None,
+    partition: PartitionOpt = None,
+    clients: ClientsOpt = None,
+    seed: SeedOpt = None,
+    data_dir: DataDirOpt = None,
+    plugin: PluginOpt = None,
 ) -> None:
     """Write every client's data as client_<id>.npz, for SuperNodes started with --node-config data-path=..."""
     from fedhet.flower.data import export_clients
 
-    paths = export_clients(_config(config, set_), out)
-    console.print(f"wrote {len(paths)} client files to {out} ({paths[0].name} ... {paths[-1].name})")
+    cfg = _config(
+        config, set_, plugin, dataset=dataset, partition=partition, clients=clients, seed=seed, data_dir=data_dir
+    )
+    paths = export_clients(cfg, out_folder)
+    console.print(f"wrote {len(paths)} client files to {out_folder} ({paths[0].name} ... {paths[-1].name})")

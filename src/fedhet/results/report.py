@@ -21,7 +21,7 @@ from rich.table import Table
 from fedhet.errors import FedhetError
 from fedhet.results.store import read_json, read_metrics
 
-IGNORED_KEYS = ("run.seed", "run.name", "run.out_dir")
+IGNORED_KEYS = ("run.seed", "run.name", "run.out_dir", "run.plugins")  # plug-in paths: where code is, not a setting
 MISSING = "—"
 
 

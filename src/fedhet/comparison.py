@@ -238,17 +238,18 @@ class Comparison:
 
 
 def plan_comparison(
-    config: Path | None,
+    config: Path | dict[str, Any] | None,
     overrides: list[str],
     variants: str | None = None,
     seeds: str | None = None,
     grid: list[str] | None = None,
     partitions: str | None = None,
 ) -> Comparison:
-    """Every cell's validated config (grid point x seed x variant); raises ConfigError naming a bad cell."""
+    """Every cell's validated config (grid point x seed x variant); raises ConfigError naming a bad cell. ``config``
+    is a TOML file or its contents (``fedhet.api.config_dict``)."""
     from fedhet.engine.simulation import resolve_config
 
-    base = load_raw(config)
+    base = copy.deepcopy(config) if isinstance(config, dict) else load_raw(config)
     spec = parse_spec(base.pop("compare", {}))
     for item in overrides:
         apply_override(base, item)
@@ -308,7 +309,7 @@ def print_plan(plan: Comparison, overwrite: bool, console: Console) -> None:
 
 
 def run_comparison(
-    config: Path | None,
+    config: Path | dict[str, Any] | None,
     overrides: list[str],
     variants: str | None,
     seeds: str | None,

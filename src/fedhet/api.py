@@ -1,0 +1,305 @@
+"""fedhet's Python API: build a config, run it, compare several, read the results. The CLI is a thin layer over it.
+
+    import fedhet
+
+    cfg = fedhet.make_config("configs/demo.toml", {"train.lr": 0.05}, algorithm="scaffold", rounds=5)
+    result = fedhet.run(cfg)
+    result.final["test_acc"]            # the last evaluation's metrics
+    result.records                      # one dict per evaluated round (metrics.jsonl)
+    result.to_dataframe()               # the same as a pandas DataFrame (needs pandas)
+    results = fedhet.compare(cfg, variants=["fedavg", "fedprox"], seeds=[0, 1])
+    rows = fedhet.report(results)       # mean ± std over seeds, one row per setting
+
+Every function takes a config as a ``Config``, a dict (``{"train": {"lr": 0.05}}``, sections as in the TOML
+files), or the path of a TOML file; ``plugins=`` names plug-in files or modules (fedhet/plugins.py) that register
+components from outside fedhet. Errors are ``fedhet.errors.ConfigError`` (a wrong setting, worded as on the
+command line) and ``RunFailed`` (a run that could not go on).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fedhet.config import Config, apply_override, build_config, load_raw, plugins_from_file, set_dotted
+from fedhet.errors import ConfigError
+
+if TYPE_CHECKING:
+    import pandas
+    from rich.console import Console
+
+    from fedhet.results.report import Row
+
+ConfigSource = Config | Mapping[str, Any] | str | Path | None
+
+# keyword shortcut -> the setting it sets; the CLI's -a -d -p -m -n -r -o --name --seed --server --data-dir
+SHORTCUTS: dict[str, str] = {
+    "algorithm": "algorithm.name",
+    "dataset": "dataset.name",
+    "partition": "partition.name",
+    "model": "model.name",
+    "server": "server.name",
+    "clients": "partition.num_clients",
+    "rounds": "run.rounds",
+    "out": "run.out_dir",
+    "name": "run.name",
+    "seed": "run.seed",
+    "data_dir": "dataset.data_dir",
+}
+
+
+def config_dict(
+    source: ConfigSource = None,
+    overrides: Mapping[str, Any] | Iterable[str] | None = None,
+    *,
+    plugins: Iterable[str | Path] = (),
+    **shortcuts: Any,
+) -> dict[str, Any]:
+    """The raw (unvalidated) config: ``source``, then the shortcuts, then ``overrides`` (dotted keys, which win),
+    then the plug-ins added to ``run.plugins``. A TOML file's ``[compare]`` table is kept."""
+    raw = _source_raw(source)
+    for key, value in shortcuts.items():
+        if key not in SHORTCUTS:
+            raise ConfigError(f"unknown shortcut {key!r}; valid: {', '.join(SHORTCUTS)}")
+        if value is not None:
+            set_dotted(raw, SHORTCUTS[key], value)
+    if isinstance(overrides, Mapping):
+        for key, value in overrides.items():
+            set_dotted(raw, key, value)
+    elif isinstance(overrides, str):
+        raise ConfigError(f"overrides must be a dict or a list of 'section.key=value' strings, not {overrides!r}")
+    else:
+        for item in overrides or []:
+            apply_override(raw, item)
+    extra = [str(p) for p in plugins]
+    if extra:
+        run = raw.setdefault("run", {})
+        if isinstance(run, dict):  # anything else is refused by validation
+            run["plugins"] = [*run.get("plugins", []), *extra]
+    return raw
+
+
+def _source_raw(source: ConfigSource) -> dict[str, Any]:
+    if source is None:
+        return {}
+    if isinstance(source, Config):
+        return source.to_dict()
+    if isinstance(source, Mapping):
+        return copy.deepcopy(dict(source))
+    if isinstance(source, str | Path):
+        return plugins_from_file(load_raw(source), source)
+    raise ConfigError(f"a config is a Config, a dict or a TOML file's path, not {type(source).__name__}")
+
+
+def make_config(
+    source: ConfigSource = None,
+    overrides: Mapping[str, Any] | Iterable[str] | None = None,
+    *,
+    plugins: Iterable[str | Path] = (),
+    runs_here: bool = True,
+    **shortcuts: Any,
+) -> Config:
+    """A validated ``Config`` from a TOML file, a dict or a Config, with overrides and shortcuts applied.
+
+    ``make_config("demo.toml", {"train.lr": 0.05}, algorithm="scaffold", rounds=5, plugins=["my_method.py"])``.
+    Component names and parameters are checked too (the plug-ins are loaded for that), so a mistake fails here.
+    ``runs_here=False`` is for a config that runs on other machines (its ``run.device`` need not exist here)."""
+    from fedhet.engine.simulation import resolve_config
+
+    raw = config_dict(source, overrides, plugins=plugins, **shortcuts)
+    raw.pop("compare", None)  # a comparison's variant list: a single run uses the base setting
+    cfg = build_config(raw, runs_here=runs_here)
+    resolve_config(cfg)
+    return cfg
+
+
+@dataclass
+class RunResult:
+    """A run folder's results: the resolved config, one record per evaluated round, and the summary."""
+
+    run_dir: Path
+    config: dict[str, Any]
+    records: list[dict[str, Any]]
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.run_dir.name
+
+    @property
+    def final(self) -> dict[str, Any]:
+        """The last evaluation's metrics ({} before the first)."""
+        return dict(self.records[-1]) if self.records else {}
+
+    def metric(self, name: str) -> list[tuple[int, float]]:
+        """(round, value) of every evaluation that recorded ``name`` (``"test_acc"``)."""
+        return [(r["round"], r[name]) for r in self.records if r.get(name) is not None]
+
+    def to_dataframe(self) -> pandas.DataFrame:
+        """The records as a DataFrame, one row per evaluated round, with the run's name as a column."""
+        return records_dataframe([self])
+
+
+def load_run(run_dir: str | Path) -> RunResult:
+    """The results of a run folder (finished, killed or still running)."""
+    from fedhet.results.report import load_run as load
+
+    folder = Path(run_dir)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{str(folder)!r} is not a run folder: it has no config.json")
+    run = load(folder)
+    return RunResult(folder, run.config, run.metrics, run.summary)
+
+
+def load_runs(paths: str | Path | Iterable[str | Path]) -> list[RunResult]:
+    """Every run folder in or under ``paths``."""
+    from fedhet.results.report import load_runs as load
+
+    items = [paths] if isinstance(paths, str | Path) else list(paths)
+    return [RunResult(r.path, r.config, r.metrics, r.summary) for r in load(items)]
+
+
+def run(
+    config: ConfigSource = None,
+    overrides: Mapping[str, Any] | Iterable[str] | None = None,
+    *,
+    plugins: Iterable[str | Path] = (),
+    resume: bool = False,
+    overwrite: bool = False,
+    console: Console | None = None,
+    **shortcuts: Any,
+) -> RunResult:
+    """Train one config; writes its run folder (``run.out_dir/run.name``) and returns its results.
+
+    ``resume`` continues the folder's last checkpoint, ``overwrite`` replaces the folder; without either an existing
+    folder is an error. Progress goes to ``console`` (default: stderr; ``run.progress = false`` hides the bar)."""
+    from fedhet.engine.rundir import check_run_flags
+    from fedhet.engine.simulation import Simulation
+
+    check_run_flags(resume, overwrite)
+    cfg = make_config(config, overrides, plugins=plugins, **shortcuts)
+    sim = Simulation(cfg, console=console)
+    sim.run(resume=resume, overwrite=overwrite)
+    return load_run(sim.run_dir)
+
+
+def run_dir_of(config: Config) -> Path:
+    """The folder a run of ``config`` writes: ``run.out_dir/run.name`` (the name derived when unset)."""
+    return Path(config.run.out_dir) / (config.run.name or config.default_name())
+
+
+def resume(
+    run_dir: str | Path,
+    rounds: int | None = None,
+    overrides: Iterable[str] = (),
+    *,
+    plugins: Iterable[str | Path] | None = None,
+    console: Console | None = None,
+) -> RunResult:
+    """Continue a killed run (or extend a finished one to ``rounds``) from its folder alone, with the config and the
+    plug-ins saved in it; ``plugins`` replaces those plug-ins (their files moved)."""
+    from fedhet.config import saved_run_config
+    from fedhet.engine.simulation import Simulation
+
+    more = [f"run.rounds={rounds}"] if rounds is not None else []
+    if plugins is not None:
+        more.append(f"run.plugins={[str(p) for p in plugins]!r}")
+    sim = Simulation(saved_run_config(run_dir, [*more, *overrides]), console=console)
+    sim.run(resume=True)
+    return load_run(sim.run_dir)
+
+
+def compare(
+    config: ConfigSource = None,
+    overrides: Mapping[str, Any] | Iterable[str] | None = None,
+    *,
+    variants: Sequence[str] | str | None = None,
+    seeds: Sequence[int] | str | None = None,
+    grid: Mapping[str, Sequence[Any]] | Sequence[str] | None = None,
+    partitions: str | None = None,
+    jobs: int = 1,
+    threads: int | None = None,
+    overwrite: bool = False,
+    dry_run: bool = False,
+    plugins: Iterable[str | Path] = (),
+    console: Console | None = None,
+    err_console: Console | None = None,
+    **shortcuts: Any,
+) -> list[RunResult]:
+    """Run every cell (grid point x seed x variant) of a comparison, as ``fedhet compare`` does; returns the runs.
+
+    ``variants``: ``["fedavg", "fedprox", "fedavg+fedadam"]`` (ALGORITHM[+SERVER_OPTIMISER]); ``seeds``: ``[0, 1]``;
+    ``grid``: ``{"partition.alpha": [0.1, 0.5]}``. Unset, they come from the config's ``[compare]`` table. Writes
+    comparison.md and comparison.png into ``run.out_dir``; finished cells are skipped, killed ones resumed."""
+    from rich.console import Console
+
+    from fedhet.comparison import run_comparison
+
+    variants = _one_or_many(variants, shortcuts.pop("algorithm", None), "variants", "algorithm")
+    seeds = _one_or_many(seeds, shortcuts.pop("seed", None), "seeds", "seed")
+    folder = shortcuts.pop("name", None)
+    raw = config_dict(config, overrides, plugins=plugins, **shortcuts)
+    if folder is not None:  # the comparison's own folder under run.out_dir; its cells are named by the comparison
+        build_config({"run": {"name": folder}})  # a plain folder name, as run.name must be
+        run_section = raw.setdefault("run", {})
+        if isinstance(run_section, dict):
+            run_section["out_dir"] = str(Path(run_section.get("out_dir", "runs")) / folder)
+    variant_text = variants if isinstance(variants, str) or variants is None else ",".join(variants)
+    seed_text = seeds if isinstance(seeds, str) or seeds is None else ",".join(str(s) for s in seeds)
+    grid_items = None
+    if isinstance(grid, Mapping):
+        table = raw.setdefault("compare", {})
+        if isinstance(table, dict):  # anything else is refused with the [compare] table's own message
+            table.setdefault("grid", {}).update({key: list(values) for key, values in grid.items()})
+    elif grid is not None:
+        grid_items = list(grid)
+    quiet = Console(quiet=True)
+    dirs = run_comparison(
+        raw,
+        [],
+        variant_text,
+        seed_text,
+        grid=grid_items,
+        partitions=partitions,
+        jobs=jobs,
+        threads=threads,
+        overwrite=overwrite,
+        dry_run=dry_run,
+        console=console or quiet,
+        err_console=err_console or console or quiet,
+    )
+    return [load_run(d) for d in dirs]
+
+
+def _one_or_many(many: Any, one: Any, many_name: str, one_name: str) -> Any:
+    """compare's ``algorithm=`` / ``seed=`` (the CLI's -a, --seed) as a one-element ``variants`` / ``seeds``."""
+    if one is None:
+        return many
+    if many is not None:
+        raise ConfigError(f"compare: give {many_name} or {one_name}, not both")
+    return [one]
+
+
+def report(runs: RunResult | str | Path | Iterable[RunResult | str | Path], metric: str = "test_acc") -> list[Row]:
+    """One row per setting (runs that differ only in seed form one): mean ± std of the final ``metric`` over seeds,
+    best, fairness and personalisation columns; the table ``fedhet report`` prints."""
+    from fedhet.results.report import group_runs, load_runs, summary_table
+
+    items = [runs] if isinstance(runs, RunResult | str | Path) else list(runs)
+    paths = [r.run_dir if isinstance(r, RunResult) else Path(r) for r in items]
+    if not paths:
+        raise ConfigError("report: no runs given")
+    return summary_table(group_runs(load_runs(paths)), metric=metric)
+
+
+def records_dataframe(results: Iterable[RunResult]) -> pandas.DataFrame:
+    """Every record of every run as one DataFrame (a ``run`` column names the run folder). Needs pandas."""
+    try:
+        import pandas
+    except ImportError:
+        raise ImportError("to_dataframe needs pandas (pip install pandas); .records are plain dicts") from None
+    rows = [{"run": r.name, **record} for r in results for record in r.records]
+    return pandas.DataFrame(rows)

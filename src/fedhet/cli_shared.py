@@ -1,0 +1,95 @@
+"""What every ``fedhet`` command shares: the consoles, the options that build a config, and the final messages.
+
+``fedhet.cli`` and ``fedhet.flower.cli`` both import from here (and neither from the other's commands), so every
+command that runs a config takes the same shortcuts: ``-c -s -a -d -p -m -n -r -o --name --seed --server --data-dir
+--plugin``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from fedhet.errors import Interrupted
+
+# Piped output (CI logs, `| tee`) gets a wide console so tables are not squeezed to 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 200)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
+
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file.")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override, e.g. -s train.lr=0.05 (repeat).")]
+PluginOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--plugin",
+        help="A .py file or module that registers components from outside fedhet (repeat); recorded in run.plugins. "
+        "Installed packages' fedhet.plugins entry points load without it.",
+    ),
+]
+AlgorithmOpt = Annotated[str | None, typer.Option("--algorithm", "-a", help="Algorithm (fedhet list algorithms).")]
+DatasetOpt = Annotated[str | None, typer.Option("--dataset", "-d")]
+PartitionOpt = Annotated[str | None, typer.Option("--partition", "-p", help="Partitioner.")]
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m")]
+ServerOpt = Annotated[str | None, typer.Option("--server", help="Server optimiser (sgd, fedavgm, fedadam...).")]
+RoundsOpt = Annotated[int | None, typer.Option("--rounds", "-r")]
+ClientsOpt = Annotated[int | None, typer.Option("--clients", "-n", help="Number of clients.")]
+SeedOpt = Annotated[int | None, typer.Option("--seed")]
+OutOpt = Annotated[str | None, typer.Option("--out", "-o", help="Parent folder of run folders (run.out_dir).")]
+NameOpt = Annotated[str | None, typer.Option("--name", help="The run's folder name (run.name).")]
+DataDirOpt = Annotated[str | None, typer.Option("--data-dir")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show the libraries' own logs and warnings (Flower, Ray).")]
+
+
+@contextmanager
+def interrupted(how_to_continue: str) -> Iterator[None]:
+    """Ctrl-C while training: exit 130 with a message (typer would turn KeyboardInterrupt into a silent exit)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise Interrupted(how_to_continue) from None
+
+
+def print_final(summary: dict[str, Any], run_dir: Path) -> None:
+    final = summary.get("final", {})
+    parts = [
+        f"{k}={100 * final[k]:.2f}%"
+        for k in ("test_acc", "test_acc_ema", "client_dist_acc", "client_acc_worst10")
+        if final.get(k) is not None
+    ]
+    console.print(f"[green]done[/] {escape(summary['name'])}: round {summary['rounds_done']}, " + ", ".join(parts))
+    console.print(escape(f"run folder: {run_dir}"))
+
+
+# Loggers of the libraries a Flower run drives; their INFO/WARNING chatter (deprecation notices, actor shutdown
+# notes) is theirs, not the run's.
+LIBRARY_LOGGERS = ("flwr", "ray")
+
+
+@contextmanager
+def quiet_libraries(verbose: bool = False) -> Iterator[None]:
+    """Keep Flower's and Ray's warnings and banners off the console (errors still show) unless ``verbose``."""
+    if verbose:
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in LIBRARY_LOGGERS]
+    levels = [log.level for log in loggers]
+    with warnings.catch_warnings():
+        for module in (r"ray(\..*)?$", r"flwr(\..*)?$"):
+            warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)
+        for log in loggers:
+            log.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for log, level in zip(loggers, levels, strict=True):
+                log.setLevel(level)
