@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import warnings
+from pathlib import Path
 
 import click
 import pytest
@@ -16,19 +17,9 @@ from fedhet.cli import app
 from fedhet.cli_shared import quiet_libraries
 from fedhet.errors import ConfigError
 
-# The README's ten lines, run exactly as printed there (docs/extending.md shows them too).
-README_EXAMPLE = """
-import fedhet
-
-setting = {"dataset": {"name": "digits"}, "model": {"name": "mlp", "hidden": [32]},
-           "partition": {"name": "dirichlet", "alpha": 0.3, "num_clients": 6}, "run": {"rounds": 3}}
-result = fedhet.run(setting, algorithm="scaffold", overwrite=True)        # one run -> runs/scaffold-digits-...
-print(result.final["test_acc"], len(result.records))                     # metrics as plain records
-results = fedhet.compare(setting, variants=["fedavg", "scaffold"], seeds=[0, 1], out="study")
-for row in fedhet.report(results):                                       # mean ± std over seeds
-    print(f"{row.label}: {row.final_mean:.3f} ± {row.final_std:.3f}")
-# result.to_dataframe() gives the records as a pandas DataFrame (pandas installed)
-"""
+# The README's ten lines, read from README.md and run exactly as printed there.
+README = Path(__file__).parents[1] / "README.md"
+README_EXAMPLE = README.read_text().split("## Python\n\n```python\n", 1)[1].split("```", 1)[0]
 
 
 def test_the_readme_example_runs(tmp_path, monkeypatch, capsys):
