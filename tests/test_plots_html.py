@@ -128,3 +128,19 @@ def test_the_html_report_renders_in_headless_chromium(twenty, tmp_path):
     assert 0.005 < dark < 0.5 and coloured > 0.002, (dark, coloured)
     rows_with_ink = (image.sum(axis=2) < 600).any(axis=1).mean()
     assert rows_with_ink > 0.3  # the table and the figure fill the page, not a blank or an error page
+
+
+def test_fedhet_report_writes_the_html_page_and_refuses_unknown_panels(twenty, tmp_path):
+    from typer.testing import CliRunner
+
+    from fedhet.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "report.html"
+    plot = tmp_path / "curves.png"
+    args = ["report", str(tmp_path / "runs" / "alpha0.1"), "--html", str(out), "--plot", str(plot)]
+    result = runner.invoke(app, [*args, "--smooth", "--panels", "family"])
+    assert result.exit_code == 0, result.output
+    assert out.read_text().count("<details>") == 40 and plot.stat().st_size > 10_000
+    result = runner.invoke(app, [*args, "--panels", "colour"])
+    assert result.exit_code != 0 and "choose one of: family, setting" in str(result.exception)
