@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -219,3 +220,19 @@ def test_a_resumed_run_continues_the_same_tracker_runs(tracked, kill_and_resume)
     assert len(list((out / "wandb").glob(f"offline-run-*-{ids['wandb']}"))) == 2  # one folder per process
     assert sorted({(r["round"], r["test_acc"]) for r in rows}) == expected
     assert wsummary["rounds_done"] == 3
+
+
+def test_a_flower_run_logs_to_the_trackers_too(tracked):
+    pytest.importorskip("flwr")
+    from fedhet.flower.app import RunOptions, run_server
+    from fedhet.flower.client import make_client_app
+    from fedhet.flower.loopback import LoopbackGrid
+
+    cfg = tracked("flower", tensorboard=True, mlflow=False, wandb=False)
+    cfg.partition.num_clients = 4
+    grid = LoopbackGrid(make_client_app(lambda _: cfg), {101: {"partition-ids": "0,1"}, 202: {"partition-ids": "2-3"}})
+    run_server(grid, cfg, RunOptions())
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    expected = [(r["round"], r["test_acc"]) for r in read_metrics(run_dir / "metrics.jsonl")]
+    tb, _ = tensorboard_scalars(run_dir, "test_acc")
+    assert [s for s, _ in tb] == [1, 2, 3] and np.allclose([v for _, v in tb], [a for _, a in expected])
