@@ -18,11 +18,12 @@ from fedhet.results.report import Group, partition_note, summary_table, table_ce
 from fedhet.results.store import to_json
 
 STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; padding: 0 1em; }
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1400px; color: #222; padding: 0 1em; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
 table { border-collapse: collapse; font-size: 0.9em; }
 th, td { padding: 0.3em 0.7em; border-bottom: 1px solid #e4e4e4; white-space: nowrap; }
-th { background: #f3f3f3; text-align: right; } td { text-align: right; font-variant-numeric: tabular-nums; }
+th { background: #f3f3f3; text-align: right; white-space: normal; vertical-align: bottom; }
+.wide { overflow-x: auto; } td { text-align: right; font-variant-numeric: tabular-nums; }
 th:first-child, td:first-child { text-align: left; }
 tbody tr:hover { background: #f7f9ff; }
 img { max-width: 100%; } .note { color: #555; } .meta { color: #777; font-size: 0.85em; }
@@ -64,7 +65,7 @@ def html_table(groups: list[Group], metric: str) -> str:
     header, cells = table_cells(summary_table(groups, metric=metric))
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in line) + "</tr>" for line in cells)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return f"<div class='wide'><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
 
 
 def curves_image(groups: list[Group], metric: str, smooth: bool, panels: str | None) -> str:

@@ -6,6 +6,7 @@ matplotlib backend of a notebook or GUI session, and nothing needs a display.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -87,18 +88,25 @@ def curves_figure(
         raise FedhetError(f"unknown panels {panels!r}; choose one of: {', '.join(PANELS)}")
     methods, panel_of = split_groups(groups, panels)
     order = list(dict.fromkeys(panel_of))
-    style = {m: pair(i) for i, m in enumerate(dict.fromkeys(methods))}
+    if panels == "family":
+        order.sort(key=lambda name: list(FAMILIES).index(name) if name in FAMILIES else len(FAMILIES))
+    # styles and legend entries go panel by panel: the methods sharing a panel get neighbouring, distinct pairs
+    by_panel = sorted(range(len(groups)), key=lambda i: order.index(panel_of[i]))
+    style = {m: pair(i) for i, m in enumerate(dict.fromkeys(methods[i] for i in by_panel))}
     fig, axes = panel_axes(len(order))
     scale = 100.0 if "acc" in metric else 1.0
     drawn: dict[str, Any] = {}
-    for group, method, panel in zip(groups, methods, panel_of, strict=True):
+    # overlapping std bands add up: fainter the more curves share an axes, so 20 bands do not turn to mud
+    band_alpha = min(0.2, 0.3 / max(1, len(groups) / len(order)) ** 0.5)
+    for i in by_panel:
+        group, method, panel = groups[i], methods[i], panel_of[i]
         rounds, mean, std = seed_curve(group.runs, metric, smooth)
         if len(rounds) == 0:
             continue
         ax = axes[order.index(panel)]
         colour, dashes = style[method]
         (line,) = ax.plot(rounds, mean * scale, color=colour, linestyle=dashes, linewidth=1.6)
-        ax.fill_between(rounds, (mean - std) * scale, (mean + std) * scale, color=colour, alpha=0.12, linewidth=0)
+        ax.fill_between(rounds, (mean - std) * scale, (mean + std) * scale, color=colour, alpha=band_alpha, linewidth=0)
         seeds = {len(g.runs) for g, m in zip(groups, methods, strict=True) if m == method}
         drawn.setdefault(method, (line, f"{method} (n={'/'.join(map(str, sorted(seeds)))})"))
     if not drawn:
@@ -143,7 +151,7 @@ def split_groups(groups: list[Group], panels: str | None) -> tuple[list[str], li
 
 
 def panel_axes(n: int) -> tuple[Figure, list[Any]]:
-    cols = min(n, 3)
+    cols = min(3, math.ceil(math.sqrt(n)))  # 2 x 2 for four families, at most three panels a row
     rows = -(-n // cols)
     fig = Figure(figsize=(5.2 * cols if n > 1 else 7.5, 3.8 * rows + 0.6 if n > 1 else 4.8), layout="constrained")
     axes = fig.subplots(rows, cols, sharey=True, squeeze=False).ravel().tolist()
