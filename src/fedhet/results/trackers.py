@@ -131,10 +131,20 @@ class MLflowTracker:
             self.client.update_run(run_id, status="RUNNING")
             self.resumed = True
             return
-        found = self.client.get_experiment_by_name(experiment)
-        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
-        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        self.run_id = self.client.create_run(self.experiment_id(experiment), run_name=run_name).info.run_id
         self.resumed = False
+
+    def experiment_id(self, name: str) -> str:
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return self.client.create_experiment(name)
+        except Exception:  # compare cells in parallel processes: another one created it first
+            found = self.client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return found.experiment_id
 
     def start(self, config: dict[str, Any]) -> None:
         from mlflow.entities import Param
