@@ -129,7 +129,7 @@ def wandb_records(out_dir, run_id):
     from wandb.proto import wandb_internal_pb2
 
     history, config, summary = [], {}, {}
-    files = sorted((out_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+    files = wandb_files(out_dir, run_id)
     assert files, f"no offline W&B run {run_id} under {out_dir / 'wandb'}"
     for path in files:
         for data in leveldb_log(path.read_bytes()):
@@ -143,6 +143,11 @@ def wandb_records(out_dir, run_id):
             elif kind == "summary":
                 summary.update(items(record.summary.update))
     return history, config, summary
+
+
+def wandb_files(out_dir, run_id):
+    # offline-run-<time>-<id>, with -1, -2... added when two processes start within the same second
+    return sorted((out_dir / "wandb").glob(f"offline-run-*-{run_id}*/run-{run_id}.wandb"))
 
 
 def items(entries):
@@ -217,7 +222,7 @@ def test_a_resumed_run_continues_the_same_tracker_runs(tracked, kill_and_resume)
     assert len(runs) == 1  # one MLflow run for the killed and the resumed process
 
     rows, _, wsummary = wandb_records(out, ids["wandb"])
-    assert len(list((out / "wandb").glob(f"offline-run-*-{ids['wandb']}"))) == 2  # one folder per process
+    assert len(wandb_files(out, ids["wandb"])) == 2  # one folder per process
     assert sorted({(r["round"], r["test_acc"]) for r in rows}) == expected
     assert wsummary["rounds_done"] == 3
 
