@@ -93,8 +93,9 @@ class TensorBoardTracker:
     def __init__(self, run_dir: Path, resumed_at: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        # purge_step drops the events of rounds a killed run logged after its last checkpoint
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resumed_at + 1 if resumed_at else None)
+        # purge_step drops the events of rounds a killed run logged after its last checkpoint (all of them when it
+        # was killed before its first one and starts over)
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resumed_at + 1)
         self.resumed = resumed_at > 0
 
     def start(self, config: dict[str, Any]) -> None:
