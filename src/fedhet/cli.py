@@ -258,11 +258,24 @@ def report(
     metric: Annotated[str, typer.Option("--metric", help="Metric to tabulate and plot.")] = "test_acc",
     plot: Annotated[Path | None, typer.Option("--plot", help="Write the curve plot here (PNG).")] = None,
     markdown: Annotated[Path | None, typer.Option("--markdown", help="Also write the table as Markdown.")] = None,
+    html: Annotated[
+        Path | None,
+        typer.Option("--html", help="Also write one self-contained HTML page: tables, curves, each run's config."),
+    ] = None,
+    smooth: Annotated[
+        bool, typer.Option("--smooth", help="Plot the EMA the runs recorded (test_acc_ema; run.ema for others).")
+    ] = False,
+    panels: Annotated[
+        str | None, typer.Option("--panels", help="One plot panel per method 'family' or per 'setting'.")
+    ] = None,
 ) -> None:
     """Summarise finished (or running) runs: a mean ± std table over seeds and accuracy-vs-round curves."""
-    from fedhet.results.plots import plot_curves
+    from fedhet.results.html import write_html
+    from fedhet.results.plots import PANELS, plot_curves
     from fedhet.results.report import group_runs, load_runs, partition_note, print_table, summary_table, to_markdown
 
+    if panels not in (None, *PANELS):
+        raise ConfigError(f"unknown --panels {panels!r}; choose one of: {', '.join(PANELS)}")
     loaded = load_runs(runs)
     if not loaded:
         raise ConfigError(f"no run folders (with config.json and metrics.jsonl) under {', '.join(map(str, runs))}")
@@ -276,7 +289,9 @@ def report(
         markdown.write_text(to_markdown(rows) + (f"\n{note}\n" if note else "") + "\n")
         console.print(f"markdown: {markdown}")
     if plot:
-        console.print(f"plot: {plot_curves(groups, plot, metric=metric)}")
+        console.print(f"plot: {plot_curves(groups, plot, metric=metric, smooth=smooth, panels=panels)}")
+    if html:
+        console.print(f"html: {write_html(groups, html, metrics=(metric,), smooth=smooth, panels=panels)}")
 
 
 @app.command("list")

@@ -1,9 +1,9 @@
 """Run configuration: TOML file + dotted overrides -> one validated, fully resolved config.
 
-Sections: ``run``, ``dataset``, ``partition``, ``model``, ``train``, ``algorithm``, ``server``. The component sections
-(``dataset``, ``partition``, ``model``, ``algorithm``, ``server``) hold a ``name`` plus that component's own
-parameters, which the component's registry entry validates; resolution fills every default in, so a run folder's
-``config.json`` shows exactly what ran.
+Sections: ``run``, ``dataset``, ``partition``, ``model``, ``train``, ``algorithm``, ``server``, ``tracking``. The
+component sections (``dataset``, ``partition``, ``model``, ``algorithm``, ``server``) hold a ``name`` plus that
+component's own parameters, which the component's registry entry validates; resolution fills every default in, so a
+run folder's ``config.json`` shows exactly what ran.
 """
 
 from __future__ import annotations
@@ -239,6 +239,37 @@ class ServerSection(_Component):
         return self
 
 
+class TrackingSection(_Strict):
+    """Optional experiment trackers (issue 16), each off by default; the run folder stays the record of truth.
+
+    Trackers only receive copies of what the run folder gets (config, metrics, summary) and never change a run's
+    numbers, so they may be switched on or off when a run is resumed (``fedhet resume RUN -s tracking.mlflow=true``).
+    """
+
+    tensorboard: bool = False  # event files in <run folder>/tensorboard (fedhet[trackers])
+    mlflow: bool = False  # a run in the MLflow store at mlflow_uri (fedhet[trackers])
+    wandb: bool = False  # a Weights & Biases run in <wandb_dir>/wandb (fedhet[trackers])
+    mlflow_uri: str | None = None  # default: the local file store <run.out_dir>/mlruns
+    experiment: str = Field("fedhet", min_length=1)  # MLflow experiment and W&B project
+    wandb_dir: str | None = None  # default: <run.out_dir>
+    wandb_mode: Literal["offline", "online"] = "offline"  # offline writes a folder that `wandb sync` uploads later
+
+    @field_validator("tensorboard", "mlflow", "wandb")
+    @classmethod
+    def _installed(cls, value: bool, info: ValidationInfo) -> bool:
+        # a config written here to run elsewhere (a Flower app) is checked where it runs
+        if value and (info.context or {}).get("runs_here", True):
+            from fedhet.results.trackers import check_installed
+
+            check_installed(info.field_name)
+        return value
+
+    @field_validator("mlflow_uri", "wandb_dir")
+    @classmethod
+    def _path(cls, value: str | None) -> str | None:
+        return no_nul(value)
+
+
 class Config(_Strict):
     run: RunSection = RunSection()
     dataset: DatasetSection = DatasetSection()
@@ -247,6 +278,7 @@ class Config(_Strict):
     train: TrainSection = TrainSection()
     algorithm: AlgorithmSection = AlgorithmSection()
     server: ServerSection = ServerSection()
+    tracking: TrackingSection = TrackingSection()
 
     @model_validator(mode="after")
     def _check(self) -> Config:

@@ -47,6 +47,7 @@ from fedhet.engine.state import build_state_store
 from fedhet.errors import ConfigError, RunFailed
 from fedhet.registry import Registry
 from fedhet.results.store import MetricsLog, read_json, read_metrics, truncate_after, write_json_atomic
+from fedhet.results.trackers import Trackers
 
 
 def component_registries() -> tuple[tuple[str, Registry], ...]:
@@ -154,6 +155,9 @@ RESUMABLE_CHANGES = (
     "run.workers",
     "run.executor",
 )
+# Trackers get copies of what the run folder gets; switching one on or off never changes the numbers. Runs saved
+# before [tracking] existed lack these keys: they count as unchanged too.
+RESUMABLE_SECTIONS = ("tracking.",)
 # Where the run folder is: a moved or copied run folder stays resumable.
 LOCATION = ("run.out_dir", "run.name")
 # Where the plug-in files are (a moved folder may take its plug-in along): the components they provide are compared
@@ -177,6 +181,7 @@ def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     # component parameter such as algorithm.evaluate), so a run from before it was added still resumes.
     defaults = {**flatten(Config.model_construct().to_dict()), **component_defaults(current)}
     keys = sorted((set(old) | set(new)) - set(RESUMABLE_CHANGES) - set(LOCATION) - set(PLUGIN_PATHS))
+    keys = [k for k in keys if not k.startswith(RESUMABLE_SECTIONS)]
     changed = [k for k in keys if old.get(k, defaults.get(k)) != new.get(k)]
     return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed]
 
@@ -318,6 +323,8 @@ class Simulation:
         self.client_threads = 1 if self.workers > 1 else torch.get_num_threads()
         self.seen: set[int] = set()  # clients that have completed at least one round
         self.ema: float | None = None
+        # [tracking]: TensorBoard, MLflow, W&B get copies of the config, metrics and summary (results/trackers.py)
+        self.trackers = Trackers(cfg.tracking, self.run_dir, Path(cfg.run.out_dir), self.name, self.warn)
         self.empty_streak = 0  # rounds in a row in which no client finished
         # run.eval_local_models: the local models (params, buffers) of the last phase's replies, for evaluation
         self.local_models: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -690,6 +697,13 @@ class Simulation:
     def _run(self, resume: bool, overwrite: bool, stop_after: int | None) -> dict[str, Any]:
         done = self.prepare_dir(resume, overwrite)
         self.warn_unmeasurable()
+        self.trackers.start(self.resolved, resumed_at=done)
+        try:
+            return self._train(done, stop_after)
+        finally:
+            self.trackers.close()  # only trackers still open: the run stopped without a summary
+
+    def _train(self, done: int, stop_after: int | None) -> dict[str, Any]:
         metrics_log = MetricsLog(self.run_dir / "metrics.jsonl")
         failures_log = MetricsLog(self.run_dir / "failures.jsonl")
         if self.cfg.train.sampling == "dynamic":
@@ -707,6 +721,7 @@ class Simulation:
                     if rnd % self.cfg.run.eval_every == 0 or rnd == rounds:
                         record = self.evaluate(rnd, result, started)
                         metrics_log.append(record)
+                        self.trackers.log(record)
                         progress.update(task, acc=f"{100 * record['test_acc']:.2f}%")
                     if rnd % self.cfg.run.checkpoint_every == 0 or rnd == last:
                         self.save_checkpoint(rnd, self._wall_before + time.perf_counter() - started)
@@ -782,6 +797,7 @@ class Simulation:
         if error:
             summary["error"] = error
         write_json_atomic(self.run_dir / "summary.json", summary)
+        self.trackers.finish(summary)
         return summary
 
     def _progress(self) -> Progress:

@@ -1,6 +1,7 @@
-"""Run folders: durable metrics/JSON files, mean ± std tables over seeds, and plots."""
+"""Run folders: durable metrics/JSON files, mean ± std tables over seeds, plots and the HTML report."""
 
-from fedhet.results.plots import plot_curves, plot_label_distribution
+from fedhet.results.html import write_html
+from fedhet.results.plots import curves_figure, plot_curves, plot_label_distribution
 from fedhet.results.report import (
     Group,
     Row,
@@ -18,6 +19,7 @@ __all__ = [
     "MetricsLog",
     "Row",
     "Run",
+    "curves_figure",
     "group_runs",
     "load_runs",
     "plot_curves",
@@ -28,5 +30,6 @@ __all__ = [
     "summary_table",
     "to_markdown",
     "truncate_after",
+    "write_html",
     "write_json_atomic",
 ]

@@ -6,8 +6,10 @@ matplotlib backend of a notebook or GUI session, and nothing needs a display.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from matplotlib import colormaps
@@ -16,7 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from fedhet.errors import FedhetError
-from fedhet.results.report import Group, Run
+from fedhet.results.report import Group, Run, differing_keys, format_value, label_for, short_names
 
 METRIC_LABELS = {
     "test_acc": "test accuracy",
@@ -36,43 +38,151 @@ METRIC_LABELS = {
 MAX_STACKED_CLASSES = 20
 
 
-def plot_curves(groups: list[Group], path: str | Path, metric: str = "test_acc", title: str | None = None) -> Path:
-    """`metric` vs round, one line per group: mean over seeds with a shaded ±1 std band."""
-    fig = Figure(figsize=(7, 4.5))
-    ax = fig.subplots()
+# Line styles cycle with the colours so that with up to 40 groups no two share a (colour, style) pair, and groups
+# next to each other in the legend differ in both.
+LINE_STYLES = ("-", "--", ":", "-.")
+# `--panels family`: which family each algorithm is drawn with; unknown names (plug-ins) go to "other".
+FAMILIES = {
+    "aggregation": ("fedavg", "fednova", "qfedavg", "fedbc", "centralized"),
+    "local regularisation": (
+        "fedprox", "scaffold", "feddyn", "moon", "fedntd", "feddecorr", "fedrcl", "fedufo",
+    ),
+    "classifier calibration": ("fedlc", "fednh", "creff", "fedacd", "fedacd_base", "spherefed"),
+    "personalised": (
+        "fedrod", "fedper", "fedbabu", "perfedavg", "pfedme", "per_fedbc", "fedbc_finetune", "ditto", "apple",
+        "fedmtl", "fedmeta", "fml",
+    ),
+}  # fmt: skip
+PANELS = ("family", "setting")
+# `--panels setting`: the config sections that describe the setting; the others describe the method
+SETTING_SECTIONS = ("dataset.", "partition.", "model.", "train.")
+SMOOTHING = 0.9  # EMA factor for a metric without a recorded EMA in a run whose config has no run.ema
+
+
+def plot_curves(
+    groups: list[Group],
+    path: str | Path,
+    metric: str = "test_acc",
+    title: str | None = None,
+    smooth: bool = False,
+    panels: str | None = None,
+) -> Path:
+    """`metric` vs round, one line per group (mean over seeds, ±1 std band); see `curves_figure`."""
+    return save(curves_figure(groups, metric, title, smooth, panels), path)
+
+
+def curves_figure(
+    groups: list[Group],
+    metric: str = "test_acc",
+    title: str | None = None,
+    smooth: bool = False,
+    panels: str | None = None,
+) -> Figure:
+    """`metric` vs round: one line per group, the mean over seeds with a shaded ±1 std band.
+
+    Each group keeps one (colour, line style) pair in every panel; the legend sits outside the axes, so 20 groups
+    hide no curve. ``smooth`` plots the EMA the run recorded (``test_acc_ema``), or for another metric the same EMA
+    (factor ``run.ema``) computed here. ``panels``: one panel per method family or per setting (the dataset,
+    partition, model and training values that differ between groups)."""
+    if panels not in (None, *PANELS):
+        raise FedhetError(f"unknown panels {panels!r}; choose one of: {', '.join(PANELS)}")
+    methods, panel_of = split_groups(groups, panels)
+    order = list(dict.fromkeys(panel_of))
+    if panels == "family":
+        order.sort(key=lambda name: list(FAMILIES).index(name) if name in FAMILIES else len(FAMILIES))
+    # styles and legend entries go panel by panel: the methods sharing a panel get neighbouring, distinct pairs
+    by_panel = sorted(range(len(groups)), key=lambda i: order.index(panel_of[i]))
+    style = {m: pair(i) for i, m in enumerate(dict.fromkeys(methods[i] for i in by_panel))}
+    fig, axes = panel_axes(len(order))
     scale = 100.0 if "acc" in metric else 1.0
-    drawn = 0
-    for group in groups:
-        rounds, mean, std = seed_curve(group.runs, metric)
+    drawn: dict[str, Any] = {}
+    # overlapping std bands add up: fainter the more curves share an axes, so 20 bands do not turn to mud
+    band_alpha = min(0.2, 0.3 / max(1, len(groups) / len(order)) ** 0.5)
+    for i in by_panel:
+        group, method, panel = groups[i], methods[i], panel_of[i]
+        rounds, mean, std = seed_curve(group.runs, metric, smooth)
         if len(rounds) == 0:
             continue
-        (line,) = ax.plot(rounds, mean * scale, label=f"{group.label} (n={len(group.runs)})", linewidth=1.5)
-        band = (mean - std) * scale, (mean + std) * scale
-        ax.fill_between(rounds, *band, color=line.get_color(), alpha=0.2, linewidth=0)
-        drawn += 1
+        ax = axes[order.index(panel)]
+        colour, dashes = style[method]
+        (line,) = ax.plot(rounds, mean * scale, color=colour, linestyle=dashes, linewidth=1.6)
+        ax.fill_between(rounds, (mean - std) * scale, (mean + std) * scale, color=colour, alpha=band_alpha, linewidth=0)
+        seeds = {len(g.runs) for g, m in zip(groups, methods, strict=True) if m == method}
+        drawn.setdefault(method, (line, f"{method} (n={'/'.join(map(str, sorted(seeds)))})"))
     if not drawn:
         raise FedhetError(f"no run recorded {metric!r}; nothing to plot")
-    label = METRIC_LABELS.get(metric, metric)
-    ax.set_xlabel("round")
-    ax.set_ylabel(f"{label} (%)" if scale == 100.0 else label)
-    ax.set_title(title or f"{label} vs round")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
-    return save(fig, path)
+    label = METRIC_LABELS.get(metric, metric) + (" (smoothed)" if smooth and "ema" not in metric else "")
+    for ax, panel in zip(axes, order, strict=True):
+        ax.set_xlabel("round")
+        ax.set_ylabel(f"{label} (%)" if scale == 100.0 else label)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(True, alpha=0.3)
+        if panels:
+            ax.set_title(panel, fontsize="medium")
+    fig.suptitle(title or f"{label} vs round")
+    handles, names = zip(*drawn.values(), strict=True)
+    fig.legend(handles, names, loc="upper left", bbox_to_anchor=(1.0, 0.95), fontsize="small", frameon=False)
+    return fig
 
 
-def seed_curve(runs: list[Run], metric: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pair(i: int) -> tuple[Any, str]:
+    """The (colour, line style) of the i-th group: distinct for the first 40."""
+    return colormaps["tab10"](i % 10), LINE_STYLES[(i + i // 10) % len(LINE_STYLES)]
+
+
+def family(algorithm: str) -> str:
+    return next((name for name, members in FAMILIES.items() if algorithm in members), "other")
+
+
+def split_groups(groups: list[Group], panels: str | None) -> tuple[list[str], list[str]]:
+    """Each group's method label (the same method has the same style in every panel) and its panel."""
+    if panels == "family":
+        return [g.label for g in groups], [family(str(g.settings.get("algorithm.name"))) for g in groups]
+    if panels is None:
+        return [g.label for g in groups], [""] * len(groups)
+    settings = [g.settings for g in groups]
+    keys = differing_keys(settings, presence_counts=False)
+    setting_keys = [k for k in keys if k.startswith(SETTING_SECTIONS)]
+    method_keys = [k for k in keys if k not in setting_keys]
+    methods = [label_for(s, method_keys) for s in settings]
+    names = short_names(setting_keys)
+    panel = [" ".join(f"{names[k]}={format_value(s.get(k))}" for k in setting_keys) or "all" for s in settings]
+    return methods, panel
+
+
+def panel_axes(n: int) -> tuple[Figure, list[Any]]:
+    cols = min(3, math.ceil(math.sqrt(n)))  # 2 x 2 for four families, at most three panels a row
+    rows = -(-n // cols)
+    fig = Figure(figsize=(5.2 * cols if n > 1 else 7.5, 3.8 * rows + 0.6 if n > 1 else 4.8), layout="constrained")
+    axes = fig.subplots(rows, cols, sharey=True, squeeze=False).ravel().tolist()
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    return fig, axes[:n]
+
+
+def seed_curve(runs: list[Run], metric: str, smooth: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rounds, mean and std over the seeds that recorded `metric` at each round (std 0 with one seed)."""
     by_round: dict[int, list[float]] = defaultdict(list)
     for run in runs:
-        for rnd, value in run.values(metric):
+        for rnd, value in smoothed(run, metric) if smooth else run.values(metric):
             by_round[rnd].append(value)
     rounds = np.array(sorted(by_round))
     values = [np.array(by_round[r], dtype=float) for r in rounds]
     mean = np.array([v.mean() for v in values])
     std = np.array([v.std(ddof=1) if len(v) > 1 else 0.0 for v in values])
     return rounds, mean, std
+
+
+def smoothed(run: Run, metric: str) -> list[tuple[int, float]]:
+    """The run's recorded EMA of `metric` (test_acc_ema), else the same EMA computed from its values."""
+    if "ema" in metric or run.values(f"{metric}_ema"):
+        return run.values(metric if "ema" in metric else f"{metric}_ema")
+    factor = run.config.get("run", {}).get("ema", SMOOTHING)
+    out, ema = [], None
+    for rnd, value in run.values(metric):
+        ema = value if ema is None else factor * ema + (1 - factor) * value
+        out.append((rnd, ema))
+    return out
 
 
 def plot_label_distribution(

@@ -22,6 +22,7 @@ from fedhet.errors import FedhetError
 from fedhet.results.store import read_json, read_metrics
 
 IGNORED_KEYS = ("run.seed", "run.name", "run.out_dir", "run.plugins")  # plug-in paths: where code is, not a setting
+IGNORED_SECTIONS = ("tracking.",)  # where copies of the results went, not what ran
 MISSING = "—"
 
 
@@ -128,7 +129,9 @@ def group_runs(runs: list[Run]) -> list[Group]:
     """Groups of runs that differ only by seed, in the order their first run appears."""
     groups: dict[str, Group] = {}
     for run in runs:
-        settings = {k: v for k, v in flatten(run.config).items() if k not in IGNORED_KEYS}
+        settings = {
+            k: v for k, v in flatten(run.config).items() if k not in IGNORED_KEYS and not k.startswith(IGNORED_SECTIONS)
+        }
         key = json.dumps(settings, sort_keys=True, default=str)
         if key not in groups:
             groups[key] = Group("", [], settings)
