@@ -43,9 +43,10 @@ MAX_STACKED_CLASSES = 20
 LINE_STYLES = ("-", "--", ":", "-.")
 # `--panels family`: which family each algorithm is drawn with; unknown names (plug-ins) go to "other".
 FAMILIES = {
-    "aggregation": ("fedavg", "fednova", "qfedavg", "fedbc", "centralized"),
+    "aggregation": ("fedavg", "fednova", "qfedavg", "fedbc", "centralized", "fedrane_wo_lra"),
     "local regularisation": (
-        "fedprox", "scaffold", "feddyn", "moon", "fedntd", "feddecorr", "fedrcl", "fedufo",
+        "fedprox", "scaffold", "feddyn", "moon", "fedntd", "feddecorr", "fedrcl", "fedrane", "fedrane_wo_gne",
+        "fedufo", "feduad", "fedufo_cls", "fedufo_cgr", "fedufo_cgl", "fedufo_uad_cgr", "fedufo_uad_cgl",
     ),
     "classifier calibration": ("fedlc", "fednh", "creff", "fedacd", "fedacd_base", "spherefed"),
     "personalised": (
