@@ -360,3 +360,14 @@ def test_message_type_is_the_plain_global_model():
     algo, _, _ = make_fedrane()
     msg = algo.configure(1, [0, 1], "train")[0]
     assert isinstance(msg, Message) and set(msg.tensors) == {"params"}
+
+
+def test_without_lra_and_gne_fedrane_is_fedavg_bit_for_bit(tiny_config):
+    from fedhet.engine.simulation import Simulation
+
+    plain = Simulation(tiny_config(run={"name": "fedavg", "rounds": 2}, algorithm={"name": "fedavg"}))
+    ablated = Simulation(
+        tiny_config(run={"name": "rane", "rounds": 2}, algorithm={"name": "fedrane_wo_lra", "aggregation": "samples"})
+    )
+    plain.run(), ablated.run()
+    assert torch.equal(plain.algo.global_params, ablated.algo.global_params)
