@@ -87,7 +87,6 @@ class FedRANEConfig(AlgoConfig):
     slim_iters: int = Field(3, ge=1)
     slim_tol: float = Field(1e-4, ge=0.0)
     eig_floor: float = Field(1e-6, gt=0.0, lt=1.0)  # Phi's eigenvalue floor, relative to the largest (notes 2.2(b)3)
-    graph_grad: bool = False  # notes' proposal: P, Bm, A without gradient; the official code differentiates them
     # ---- attentive message passing (Eq. 5-6)
     # N_i: "topk" the k strongest relations (notes' proposal), "all" every j != i with A_ij > 0 (official mask)
     neighbourhood: Neighbourhood = "topk"
@@ -113,7 +112,6 @@ class FedRANEConfig(AlgoConfig):
             slim_iters=self.slim_iters,
             slim_tol=self.slim_tol,
             eig_floor=self.eig_floor,
-            graph_grad=self.graph_grad,
             neighbourhood=self.neighbourhood,
             topk=self.topk,
             self_loop=self.self_loop,

@@ -19,9 +19,11 @@ For a batch of representations Z (B x d):
    the raw score. No self term (diag(Bm) = 0) unless ``self_loop``; no bias, non-linearity or normalisation (none is
    printed). The output z~ = h^L has the width d of z, so the predictor and the CD loss read it directly.
 
-The graph (P, Bm, A) is built in float64 without gradient by default (``graph_grad``; the official code keeps it
-in the graph): the extractor then learns through the message passing and the CD loss, never through ``inverse`` or
-``eigh``, whose gradients are unstable at repeated eigenvalues. A batch smaller than ``min_batch`` has no usable
+The graph (P, Bm, A) is built in float64 without gradient. It enters Eq. 5-6 only through the discrete
+neighbourhood N_i (A weights no edge), so no gradient could reach the extractor through it anyway; the notes'
+question whether to differentiate through ``inverse`` and ``eigh`` (2.2(b)5) does not arise. The official code
+does not detach, but its A also enters only through the mask adj > 0 (``mult_attr = 0``). The extractor learns
+through the message passing and the CD loss. A batch smaller than ``min_batch`` has no usable
 correlation, so LRA passes it through unchanged.
 
 LRA is batch-dependent: a sample's z~ depends on the other samples of its batch. In eval mode it therefore either
@@ -55,7 +57,6 @@ class LRASettings:
     slim_iters: int = 3
     slim_tol: float = 1e-4
     eig_floor: float = 1e-6
-    graph_grad: bool = False
     neighbourhood: Neighbourhood = "topk"
     topk: int = 10
     self_loop: bool = False
@@ -140,7 +141,7 @@ def neighbour_mask(a: Tensor, s: LRASettings) -> Tensor:
         mask = (a > 0) & off
     else:
         k = min(s.topk, n - 1)
-        scores = a.detach().masked_fill(~off, -math.inf)
+        scores = a.masked_fill(~off, -math.inf)
         mask = torch.zeros_like(off)
         mask.scatter_(1, scores.topk(k, dim=1).indices, True)
     if s.self_loop:
@@ -178,7 +179,7 @@ class LRA(nn.Module):
         """z~ of one batch (graph + L steps of message passing)."""
         if len(z) < self.settings.min_batch:
             return z
-        with torch.set_grad_enabled(self.settings.graph_grad and torch.is_grad_enabled()):
+        with torch.no_grad():
             mask = neighbour_mask(adjacency(z, self.settings), self.settings)
         h = z
         for w, w_m, w_n in zip(self.message, self.receive, self.send, strict=True):
