@@ -343,11 +343,12 @@ def rane_config(tiny_config, name, algorithm="fedrane", **algo):
 
 
 def test_fedrane_learns_and_resumes_bit_exact(tiny_config, kill_and_resume):
-    full, resumed = kill_and_resume(lambda name: rane_config(tiny_config, name, "fedrane_wo_gne"))
+    full, resumed = kill_and_resume(lambda name: rane_config(tiny_config, name))
     records = read_metrics(full.run_dir / "metrics.jsonl")
     final = records[-1]
     assert final["test_acc"] > 0.4 and final["personal_acc_micro"] > 0.5, final  # 10 classes: chance is 0.1
-    keys = ("round", "test_acc", "test_loss", "train_loss", "personal_acc_micro", "personal_acc_macro")
+    assert final["gne_fallbacks"] == 0 and final["gne_cos_min"] > 0, final  # the GNE aggregation took every round
+    keys = ("round", "test_acc", "test_loss", "train_loss", "personal_acc_micro", "personal_acc_macro", "gne_cos_mean")
     assert [{k: r[k] for k in keys} for r in records] == [
         {k: r[k] for k in keys} for r in read_metrics(resumed.run_dir / "metrics.jsonl")
     ]
@@ -371,3 +372,28 @@ def test_without_lra_and_gne_fedrane_is_fedavg_bit_for_bit(tiny_config):
     )
     plain.run(), ablated.run()
     assert torch.equal(plain.algo.global_params, ablated.algo.global_params)
+
+
+# ------------------------------------------------------------------------------------------- GNE
+def test_fedrane_aggregates_with_gne_and_wo_gne_with_sample_ratios():
+    """Orthogonal deltas of norms 3 and 1: G^T G = diag(9, 1), p = (1/3, 1), summed to one (1/4, 3/4), so each
+    client moves the model by the same amount (0.75); sample ratios (1/4, 3/4 for 1 and 3 samples) would too, so
+    the clients' sizes are swapped against them here."""
+    for name, expected in (("fedrane", (0.75, 0.75)), ("fedrane_wo_gne", (2.25, 0.25))):
+        algo, _, flat = make_fedrane(name)
+        x = algo.global_params.clone()
+        a, b = x.clone(), x.clone()
+        a[0] += 3.0
+        b[1] += 1.0
+        replies = {0: Reply({"params": a}, num_examples=3), 1: Reply({"params": b}, num_examples=1)}
+        algo.aggregate(1, replies, "train")
+        step = algo.global_params - x
+        torch.testing.assert_close(step[:2], torch.tensor(expected), atol=1e-6, rtol=1e-6)
+        assert torch.all(step[2:] == 0)
+
+
+def test_gne_on_the_server_section_contradicts_the_wo_gne_preset(tiny_config):
+    from fedhet.engine.simulation import Simulation
+
+    with pytest.raises(ConfigError, match="server.aggregation = 'gne' contradicts it"):
+        Simulation(tiny_config(algorithm={"name": "fedrane_wo_gne"}, server={"name": "sgd", "aggregation": "gne"}))

@@ -14,10 +14,12 @@ The LRA parameters (W, W_m, W_n per step) are part of the exchanged and aggregat
 that is its personalised model (P-FL, Algorithm 1's outputs {theta_k^T}, notes gotcha 12), returned by
 ``personalize``; the global model is the G-FL one.
 
-Server (Sec. 3.4). The aggregation is "the GNE aggregation" (``aggregation = "gne"``) or sample-ratio averaging
-(``"samples"``, FedRANE-w/o-GNE). GNE is written once for every method (``fedhet/algorithms/gne.py``, another
-branch); ``FedRANE.gne_aggregate`` is the one place that calls it. Until that module is part of the package the
-``"gne"`` setting falls back to sample-ratio averaging with a warning (see ``gne_aggregate``).
+Server (Sec. 3.4). The aggregation is the GNE aggregation (``aggregation = "gne"``: ``fedhet/algorithms/gne.py``,
+written once for every method; ``__init__`` installs it with its defaults, the Newton solver and weights summed to
+one as in the official code) or sample-ratio averaging (``"samples"``, FedRANE-w/o-GNE). GNE's own settings come
+from ``[server]``: ``server.aggregation = "gne"`` with ``server.gne_solver`` / ``gne_normalize`` / ``gne_jitter``
+replaces the default GNE; with the w/o-GNE preset it is a contradiction and refused. BatchNorm buffers are averaged
+by sample ratio (notes gotcha 14).
 
 Evaluation. LRA is batch-dependent. With ``lra_at_eval`` (default: the paper's predictor "infers the sample label
 based on the augmented sample representation") the model evaluates in chunks of exactly ``eval_batch_size``
@@ -51,17 +53,21 @@ representations and its GAT attention; its one-shot EASE graph and symmetric cos
 
 from __future__ import annotations
 
-import warnings
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
-from fedhet.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientContext, Reply
+from fedhet.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientContext, Reply, Setup
+from fedhet.algorithms.gne import GNE
+from fedhet.errors import ConfigError
 from fedhet.models.base import FedModel
 from fedhet.models.lra import LRASettings, Neighbourhood, RelationForm, attach_lra, contrastive_discrimination
+
+if TYPE_CHECKING:
+    from fedhet.algorithms.server_opt import ServerOptimizer
 
 LOCAL = "local_params"  # client state: the client's model after its last local training (its P-FL model)
 
@@ -143,22 +149,20 @@ class FedRANE(Algorithm):
             attach_lra(model, config.lra_settings())
         return model
 
-    # ----------------------------------------------------------------- server side
-    def aggregate(self, rnd: int, replies: dict[int, Reply], phase: str) -> dict[str, float]:
-        if self.config.aggregation == "gne":
-            return self.gne_aggregate(rnd, replies, phase)
-        return super().aggregate(rnd, replies, phase)  # sample-ratio weights (FedRANE-w/o-GNE)
+    def __init__(self, config: FedRANEConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
+        super().__init__(config, setup, server_opt)
+        # ===== GNE wiring: FedRANE's server takes the GNE aggregation (algorithms/gne.py) unless it is the w/o-GNE
+        # ablation. server.aggregation = "gne" replaces this GNE by one with the [server] section's gne_* settings.
+        if config.aggregation == "gne":
+            self.use_gne(GNE())
 
-    # ===== GNE wiring: the one place that names the GNE aggregation (fedhet/algorithms/gne.py, branch `gne`) =====
-    def gne_aggregate(self, rnd: int, replies: dict[int, Reply], phase: str) -> dict[str, float]:
-        warnings.warn(
-            "fedrane: the GNE aggregation is not in this build yet (fedhet/algorithms/gne.py); "
-            "aggregating with sample-ratio weights instead",
-            stacklevel=2,
-        )
-        return super().aggregate(rnd, replies, phase)
-
-    # ===== end of GNE wiring =====
+    def use_gne(self, gne: GNE) -> None:
+        if self.config.aggregation == "samples":
+            raise ConfigError(
+                f"{self.name} is FedRANE with sample-ratio aggregation (algorithm.aggregation = 'samples'); "
+                "server.aggregation = 'gne' contradicts it: use algorithm.aggregation = 'gne' instead"
+            )
+        super().use_gne(gne)
 
     # ----------------------------------------------------------------- client side
     def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
