@@ -319,6 +319,8 @@ def test_each_clients_split_is_evaluated_on_its_own_with_lra_at_eval():
     for a, c in zip(acc[:2], clients[:2], strict=True):
         assert a == evaluate(model, c.x_test, c.y_test, C, batch_size=16).acc
     assert np.isnan(acc[2])
+    swapped = [ClientData(c.x_test, c.y_test, C, c.x, c.y) for c in clients]  # on_train: the training data instead
+    assert np.array_equal(local_test_acc(model, swapped, batch_size=1024, on_train=True), acc, equal_nan=True)
 
 
 def test_without_lra_at_eval_the_model_predicts_from_z_and_any_cut_is_allowed():

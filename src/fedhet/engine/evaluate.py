@@ -76,17 +76,13 @@ def local_test_acc(model: nn.Module, clients: list, batch_size: int, on_train: b
     union costs, not 10,000 forward passes (the model is in eval mode: a sample's prediction does not depend on the
     others in its batch). A model whose prediction does depend on them (``transductive_batch``) is evaluated on each
     client's split alone, in batches of its own size, so no client's accuracy depends on another client's data."""
+    data = [(c.x, c.y) if on_train else (c.x_test, c.y_test) for c in clients]
     if getattr(model, "transductive_batch", None) is not None:
-        return np.array(
-            [
-                evaluate(model, c.x_test, c.y_test, c.num_classes, batch_size).acc if len(c.y_test) else np.nan
-                for c in clients
-            ]
-        )
+        n = clients[0].num_classes if clients else 0
+        return np.array([evaluate(model, x, y, n, batch_size).acc if len(y) else np.nan for x, y in data])
     was_training = model.training
     model.eval()
     hits = np.zeros(len(clients))
-    data = [(c.x, c.y) if on_train else (c.x_test, c.y_test) for c in clients]
     counts = np.array([len(y) for _, y in data], dtype=np.float64)
     xs, ys, owners = [], [], []
 
