@@ -13,6 +13,8 @@ import math
 import torch
 from torch import nn
 
+from fedhet.engine.evaluate import eval_batch_size
+
 PAPER_TAU = 1.0 - 1e-5  # FedACD's template diagonal (Eq. 10); Table 9 reports every method's KL against it
 
 
@@ -22,6 +24,7 @@ def soft_confusion(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sums, counts) of a clean pass in eval mode: ``sums[i, j]`` adds p_j(x) over the samples of class i and
     ``counts[i]`` counts them. The model's train/eval mode is restored; no random number is drawn."""
+    batch_size = eval_batch_size(model, batch_size)
     was_training = model.training
     model.eval()
     sums = torch.zeros(num_classes, num_classes, dtype=torch.float64)

@@ -40,8 +40,17 @@ class EvalStats:
             return np.where(self.count > 0, self.correct / self.count, np.nan)
 
 
+def eval_batch_size(model: nn.Module, requested: int) -> int:
+    """The batch size to evaluate ``model`` with: ``requested`` (``run.eval_batch_size``), unless the model's
+    predictions depend on the other samples of a batch (FedRANE's LRA at evaluation), in which case it fixes its
+    own (``model.transductive_batch``) so its accuracy does not depend on how the caller cuts the data."""
+    fixed = getattr(model, "transductive_batch", None)
+    return fixed if fixed is not None else requested
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int, batch_size: int) -> EvalStats:
+    batch_size = eval_batch_size(model, batch_size)
     was_training = model.training
     model.eval()
     loss_sum = 0.0
@@ -65,11 +74,15 @@ def local_test_acc(model: nn.Module, clients: list, batch_size: int, on_train: b
 
     The splits are evaluated in full batches drawn across clients, so 10,000 clients of a few samples cost what their
     union costs, not 10,000 forward passes (the model is in eval mode: a sample's prediction does not depend on the
-    others in its batch)."""
+    others in its batch). A model whose prediction does depend on them (``transductive_batch``) is evaluated on each
+    client's split alone, in batches of its own size, so no client's accuracy depends on another client's data."""
+    data = [(c.x, c.y) if on_train else (c.x_test, c.y_test) for c in clients]
+    if getattr(model, "transductive_batch", None) is not None:
+        n = clients[0].num_classes if clients else 0
+        return np.array([evaluate(model, x, y, n, batch_size).acc if len(y) else np.nan for x, y in data])
     was_training = model.training
     model.eval()
     hits = np.zeros(len(clients))
-    data = [(c.x, c.y) if on_train else (c.x_test, c.y_test) for c in clients]
     counts = np.array([len(y) for _, y in data], dtype=np.float64)
     xs, ys, owners = [], [], []
 
