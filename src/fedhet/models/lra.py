@@ -54,7 +54,7 @@ PEARSON_EPS = 1e-8  # inside the square root of a row's norm, so a constant row 
 class LRASettings:
     lambda_r: float = 0.1
     relation_form: RelationForm = "eq4"
-    slim_iters: int = 3
+    slim_iters: int = 1
     slim_tol: float = 1e-4
     eig_floor: float = 1e-6
     neighbourhood: Neighbourhood = "topk"
