@@ -36,6 +36,8 @@ from fedhet.config import apply_override, build_config, load_raw, parse_value, s
 from fedhet.errors import ConfigError, RunFailed
 from fedhet.params import Params, Seed, problem, shown
 
+PANEL_ABOVE = 12  # curves in one comparison.png axes; more are split into panels by method family
+
 
 class CompareSpec(Params):
     """The ``[compare]`` table."""
@@ -358,7 +360,9 @@ def tabulate(run_dirs: list[Path], out_dir: Path, console: Console, show: bool =
     rows = summary_table(groups, metric="test_acc")
     note = partition_note(groups)
     (out_dir / "comparison.md").write_text(to_markdown(rows) + (f"\n{note}\n" if note else "") + "\n")
-    plot = plot_curves(groups, out_dir / "comparison.png", metric="test_acc")
+    # more methods than one axes shows legibly: one panel per method family (fedhet report --panels family)
+    panels = "family" if len(groups) > PANEL_ABOVE else None
+    plot = plot_curves(groups, out_dir / "comparison.png", metric="test_acc", panels=panels)
     if show:
         print_table(rows, console)
         if note:
