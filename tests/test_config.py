@@ -95,6 +95,13 @@ def test_infinity_from_an_override_is_refused():
         load_config(None, ["train.lr=1e999"])
 
 
+def test_none_on_the_command_line_is_null_or_the_choice_named_none():
+    cfg = load_config(None, ["train.augment=crop", "train.augment=none", "partition.seed=none"])
+    assert cfg.train.augment == "none" and cfg.partition.seed is None
+    resolved = resolve_config(load_config(None, ["algorithm.name=feddyn", "algorithm.alpha_scaling=none"]))
+    assert resolved["algorithm"]["alpha_scaling"] == "none"
+
+
 def test_toml_inf_and_nan_are_refused(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("[train]\nweight_decay = inf\n")

@@ -36,6 +36,24 @@ class Params(BaseModel):
             raise ValueError(f"must be a list of {_NAMES[wanted][1]}, not booleans")
         return value
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _none_is_a_choice(cls, value: Any, info: ValidationInfo) -> Any:
+        # An override's "none" parses to None (the command line's null); where None is not allowed but a choice is
+        # named "none" (train.augment, feddyn's alpha_scaling), the user meant that choice.
+        field = cls.model_fields.get(info.field_name or "")
+        if value is None and field is not None and _names_none(field.annotation):
+            return "none"
+        return value
+
+
+def _names_none(tp: Any) -> bool:
+    """True for a type without None among its alternatives that has the literal choice "none"."""
+    members = _members(tp)
+    if type(None) in members:
+        return False
+    return any(typing.get_origin(m) is typing.Literal and "none" in typing.get_args(m) for m in members)
+
 
 _NAMES = {int: ("an integer", "integers"), float: ("a number", "numbers")}
 
