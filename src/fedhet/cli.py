@@ -30,6 +30,7 @@ from fedhet.cli_shared import (
     err_console,
     interrupted,
     print_final,
+    shortcuts,
 )
 from fedhet.errors import ConfigError, FedhetError, Interrupted, RunFailed
 from fedhet.flower.cli import flower_app
@@ -70,17 +71,7 @@ def run(
         config,
         set_,
         plugins=plugin or (),
-        algorithm=algorithm,
-        dataset=dataset,
-        partition=partition,
-        model=model,
-        server=server,
-        rounds=rounds,
-        clients=clients,
-        seed=seed,
-        out=out,
-        name=name,
-        data_dir=data_dir,
+        **shortcuts(locals()),
     )
     run_dir = api.run_dir_of(cfg)
     with interrupted(f"the last checkpoint is kept; continue with --resume or: fedhet resume {run_dir}"):
@@ -189,17 +180,7 @@ def compare(
             plugins=plugin or (),
             console=console,
             err_console=err_console,
-            algorithm=algorithm,
-            dataset=dataset,
-            partition=partition,
-            model=model,
-            server=server,
-            rounds=rounds,
-            clients=clients,
-            seed=seed,
-            out=out,
-            name=name,
-            data_dir=data_dir,
+            **shortcuts(locals()),
         )
 
 

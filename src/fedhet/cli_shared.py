@@ -48,6 +48,26 @@ NameOpt = Annotated[str | None, typer.Option("--name", help="The run's folder na
 DataDirOpt = Annotated[str | None, typer.Option("--data-dir")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show the libraries' own logs and warnings (Flower, Ray).")]
 
+# The config shortcuts of every command that runs a config (run, compare, flower simulate, flower app)
+SHORTCUTS = (
+    "algorithm",
+    "dataset",
+    "partition",
+    "model",
+    "server",
+    "rounds",
+    "clients",
+    "seed",
+    "out",
+    "name",
+    "data_dir",
+)
+
+
+def shortcuts(values: dict[str, Any]) -> dict[str, Any]:
+    """The shortcut options among a command's arguments (its ``locals()``), as ``api.make_config`` takes them."""
+    return {key: values[key] for key in SHORTCUTS}
+
 
 @contextmanager
 def interrupted(how_to_continue: str) -> Iterator[None]:

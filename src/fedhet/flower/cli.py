@@ -27,6 +27,7 @@ from fedhet.cli_shared import (
     interrupted,
     print_final,
     quiet_libraries,
+    shortcuts,
 )
 
 flower_app = typer.Typer(
@@ -76,17 +77,7 @@ def app_cmd(
         set_,
         plugin,
         runs_here=False,
-        algorithm=algorithm,
-        dataset=dataset,
-        partition=partition,
-        model=model,
-        server=server,
-        rounds=rounds,
-        clients=clients,
-        seed=seed,
-        out=out,
-        name=name,
-        data_dir=data_dir,
+        **shortcuts(locals()),
     )
     folder = write_app(cfg, app_dir, name=app_name, force=force)
     console.print(f"[green]Flower app[/] written to {folder}")
@@ -149,17 +140,7 @@ def simulate_cmd(
         config,
         set_,
         plugin,
-        algorithm=algorithm,
-        dataset=dataset,
-        partition=partition,
-        model=model,
-        server=server,
-        rounds=rounds,
-        clients=clients,
-        seed=seed,
-        out=out,
-        name=name,
-        data_dir=data_dir,
+        **shortcuts(locals()),
     )
     options = RunOptions(resume=resume, overwrite=overwrite, accept_state_loss=accept_state_loss)
     run_dir = run_dir_of(cfg)
