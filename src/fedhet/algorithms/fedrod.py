@@ -55,6 +55,7 @@ from torch import nn
 
 from fedhet.algorithms.base import ALGORITHMS, ClientContext, Reply, Setup
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
+from fedhet.algorithms.partial import step_keeping
 from fedhet.engine.flat import FlatModel
 
 if TYPE_CHECKING:
@@ -140,14 +141,8 @@ class FedRoD(FedAvg):
     def aggregate(self, rnd: int, replies: dict[int, Reply], phase: str) -> dict[str, float]:
         weights = self.aggregation_weights(replies)
         target = self.aggregate_target(replies, weights)
-        if self.keeps_personal:
-            # The P slice is every client's initial P-head: a zero pseudo-gradient there, and restored after the
-            # step so that no server optimiser can move it.
-            keep = self.slices()[PERSONAL]
-            target[keep] = self.global_params[keep]
-            params = self.server_opt.step(self.global_params, target)
-            params[keep] = self.global_params[keep]
-            self.global_params = params
+        if self.keeps_personal:  # the P slice is every client's initial P-head: no server optimiser may move it
+            self.global_params = step_keeping(self.server_opt, self.global_params, target, self.slices()[PERSONAL])
         else:
             self.global_params = self.server_opt.step(self.global_params, target)
         self.average_buffers(replies, weights)

@@ -22,6 +22,7 @@ from fedhet.engine.flat import FlatModel
 from fedhet.errors import ConfigError
 
 if TYPE_CHECKING:
+    from fedhet.algorithms.server_opt import ServerOptimizer
     from fedhet.models.base import FedModel
 
 
@@ -55,11 +56,16 @@ class KeptSlice:
     def aggregate(self, rnd: int, replies: dict[int, Reply], phase: str) -> dict[str, float]:
         weights = self.aggregation_weights(replies)
         target = weighted_sum([r.tensors["params"] for r in replies.values()], weights)
-        # A zero pseudo-gradient in the slice, and the old values put back after the step: an average of equal
-        # values need not round back to them, and no server optimiser may move the slice.
-        target[self.kept] = self.global_params[self.kept]
-        params = self.server_opt.step(self.global_params, target)
-        params[self.kept] = self.global_params[self.kept]
-        self.global_params = params
+        self.global_params = step_keeping(self.server_opt, self.global_params, target, self.kept)
         self.average_buffers(replies, weights)
         return {}
+
+
+def step_keeping(server_opt: ServerOptimizer, params: torch.Tensor, target: torch.Tensor, keep: slice) -> torch.Tensor:
+    """The server optimiser's step from ``params`` toward ``target`` with the slice ``keep`` left at its values: a
+    zero pseudo-gradient there, and the old values put back after the step (an average of equal values need not
+    round back to them, and no server optimiser may move the slice)."""
+    target[keep] = params[keep]
+    stepped = server_opt.step(params, target)
+    stepped[keep] = params[keep]
+    return stepped
