@@ -37,6 +37,10 @@ def run_ray_simulation(
 
     options = options or RunOptions()
     init_args: dict[str, Any] = {"num_cpus": num_cpus} if num_cpus else {}
+    if not verbose:
+        # The actors' own log lines (Flower's "Manually terminating ClientAppActor" as the pool shuts down, at a
+        # moment that races the driver's exit) would reach this console; a ClientApp that fails still raises here.
+        init_args["log_to_driver"] = False
     run_dir = Path(cfg.run.out_dir) / (cfg.run.name or cfg.default_name())
     # absolute: Ray's workers need not share this process's working directory
     root = str(Path(node_state_dir or run_dir / "node_state").expanduser().resolve()) if node_state else None
