@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedhet.engine.client import derive_seed
 from fedhet.engine.evaluate import client_accuracy
-from fedhet.engine.local import batch_indices
+from fedhet.engine.local import batch_indices, derive_seed
 from fedhet.engine.simulation import Simulation
 from fedhet.errors import ConfigError
 from fedhet.results.store import read_metrics

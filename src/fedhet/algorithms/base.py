@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import ConfigDict
 
+from fedhet.data.types import ClientData
 from fedhet.params import Params
 from fedhet.registry import Registry
 
@@ -59,23 +60,6 @@ class Reply:
     scalars: dict[str, Scalar] = field(default_factory=dict)
     num_examples: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class ClientData:
-    """One client's data as tensors on the compute device (a batch is an index into them)."""
-
-    x: torch.Tensor
-    y: torch.Tensor
-    num_classes: int
-    x_test: torch.Tensor | None = None
-    y_test: torch.Tensor | None = None
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def label_counts(self) -> torch.Tensor:
-        return torch.bincount(self.y, minlength=self.num_classes).to(torch.float32)
 
 
 @dataclass

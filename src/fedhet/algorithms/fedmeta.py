@@ -31,8 +31,9 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from fedhet.algorithms.base import ALGORITHMS, ClientContext, ClientData, Message, Reply, Setup
+from fedhet.algorithms.base import ALGORITHMS, ClientContext, Message, Reply, Setup
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
+from fedhet.data.types import ClientData
 from fedhet.engine.flat import FlatModel
 
 if TYPE_CHECKING:
@@ -78,7 +79,7 @@ class FedMeta(FedAvg):
 
     def receive_shared_data(self, fed: FederatedDataset, seed: int) -> None:
         """The copies every client shares with the server (the engine calls this once, before round 1)."""
-        from fedhet.engine.client import derive_seed
+        from fedhet.engine.local import derive_seed
 
         sizes = [len(c.y) for c in fed.clients]
         if sum(sizes) == 0:
@@ -100,8 +101,7 @@ class FedMeta(FedAvg):
 
     def fine_tune(self, rnd: int) -> None:
         """The averaged model, trained on the meta data by the shared local loop; it becomes the global model."""
-        from fedhet.engine.client import derive_seed
-        from fedhet.engine.local import train_locally
+        from fedhet.engine.local import derive_seed, train_locally
 
         if self.meta is None:
             raise RuntimeError("fedmeta: the server has no shared data (receive_shared_data was not called)")

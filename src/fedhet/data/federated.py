@@ -7,8 +7,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from fedhet.algorithms.base import ClientData
-from fedhet.data.types import ArrayDataset, DataError
+from fedhet.data.types import ArrayDataset, ClientData, DataError
 
 
 @dataclass

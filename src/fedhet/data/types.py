@@ -1,4 +1,5 @@
-"""Plain data types shared by the data layer: what a loader returns and what a partitioner returns."""
+"""Plain data types shared by the data layer: what a loader returns, what a partitioner returns, and one client's
+tensors (``ClientData``), which the training loop and the algorithms read."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import hashlib
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import torch
 
 from fedhet.errors import FedhetError
 
@@ -128,3 +130,20 @@ def summarise_files(names: tuple[str, ...], limit: int) -> list[str]:
         counts[key] = counts.get(key, 0) + 1
     out = [f"{key} ({n} files)" if key.endswith("/") else key for key, n in counts.items()]
     return out if len(out) <= limit else [*out[: limit - 1], f"... ({len(out) - limit + 1} more)"]
+
+
+@dataclass
+class ClientData:
+    """One client's data as tensors on the compute device (a batch is an index into them)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    num_classes: int
+    x_test: torch.Tensor | None = None
+    y_test: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def label_counts(self) -> torch.Tensor:
+        return torch.bincount(self.y, minlength=self.num_classes).to(torch.float32)

@@ -50,7 +50,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from fedhet.algorithms.base import Algorithm, ClientContext, ClientData, Message, Reply
+from fedhet.algorithms.base import Algorithm, ClientContext, Message, Reply
+from fedhet.data.types import ClientData
 from fedhet.engine.client import ClientRunner, LocalExecutor, check_finite, failure_record
 from fedhet.engine.flat import FlatModel, FlatVectors
 from fedhet.engine.local import batch_indices, num_local_steps

@@ -16,25 +16,21 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
-from fedhet.algorithms.base import Algorithm, ClientContext, ClientData, Message, Reply
+from fedhet.algorithms.base import Algorithm, ClientContext, Message, Reply
 from fedhet.config import TrainSection
 from fedhet.data.augment import Augment
+from fedhet.data.types import ClientData
 from fedhet.engine.checkpoint import CheckpointError
 from fedhet.engine.confusion import PAPER_TAU, probability_matrix, soft_confusion, template_kl
 from fedhet.engine.evaluate import evaluate
 from fedhet.engine.flat import FlatModel
+from fedhet.engine.local import derive_seed
 from fedhet.engine.state import MemoryStateStore, State
 
 # reply tensors of run.eval_local_models; the simulation takes them out before the algorithm aggregates
 LOCAL_PARAMS, LOCAL_BUFFERS = "local_params", "local_buffers"
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed from integer parts, so each (run seed, round, client, phase) has its own independent stream."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0] >> 1)
 
 
 class ClientRunner:

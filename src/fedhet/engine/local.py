@@ -6,11 +6,17 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
     from fedhet.algorithms.base import Algorithm, ClientContext, Reply
     from fedhet.engine.flat import FlatModel
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integer parts, so each (run seed, round, client, phase) has its own independent stream."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0] >> 1)
 
 
 class FlatSGD:

@@ -32,9 +32,10 @@ from fedhet.data.augment import build_augment
 from fedhet.data.federated import FederatedDataset, federate
 from fedhet.engine.batched import BatchedExecutor, choose_executor
 from fedhet.engine.checkpoint import LAST, CheckpointError, load_latest, remove_temporaries, write_checkpoint
-from fedhet.engine.client import LOCAL_BUFFERS, LOCAL_PARAMS, ClientRunner, Executor, LocalExecutor, derive_seed
+from fedhet.engine.client import LOCAL_BUFFERS, LOCAL_PARAMS, ClientRunner, Executor, LocalExecutor
 from fedhet.engine.evaluate import client_accuracy, client_test_samples, evaluate, evaluate_global, local_risk
 from fedhet.engine.flat import FlatModel
+from fedhet.engine.local import derive_seed
 from fedhet.engine.rundir import (
     check_run_flags,
     environment,

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from fedhet.algorithms.base import ClientData, Message
+from fedhet.algorithms.base import Message
+from fedhet.data.types import ClientData
 from fedhet.engine.client import ClientRunner, LocalExecutor, failure_record
 
 _CTX = mp.get_context("spawn")

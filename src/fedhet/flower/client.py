@@ -32,9 +32,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, MetricRecord, Re
 from flwr.app import Message as FlowerMessage
 from flwr.clientapp import ClientApp
 
-from fedhet.algorithms.base import ClientData
 from fedhet.config import Config
 from fedhet.data.federated import FederatedDataset
+from fedhet.data.types import ClientData
 from fedhet.engine.client import ClientRunner
 from fedhet.errors import ConfigError
 from fedhet.flower import codec

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedhet.algorithms.base import ClientData
 from fedhet.config import Config
+from fedhet.data.types import ClientData
 from fedhet.errors import ConfigError
 
 

@@ -30,9 +30,10 @@ from flwr.app import Message as FlowerMessage
 from flwr.app import RecordDict
 from flwr.serverapp import Grid
 
-from fedhet.algorithms.base import ClientData, Message, Reply
+from fedhet.algorithms.base import Message, Reply
 from fedhet.config import Config
 from fedhet.data.federated import FederatedDataset
+from fedhet.data.types import ClientData
 from fedhet.errors import FedhetError
 from fedhet.flower import codec
 from fedhet.flower.client import label_counts_from
