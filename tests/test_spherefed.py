@@ -195,3 +195,34 @@ def test_calibration_never_changes_training(tiny_config):
     assert torch.equal(runs[True].algo.global_params, runs[False].algo.global_params)
     assert finals[True]["train_loss"] == finals[False]["train_loss"]
     assert torch.equal(runs[False].algo.global_buffers, runs[False].algo.with_classifier(runs[False].algo.fixed))
+
+
+def test_eval_local_models_scores_the_trained_bodies_not_the_calibration_phase(tiny_config):
+    """run.eval_local_models takes the local models from the ``train`` phase's replies (``local_model_phase``): the
+    calibration phase only measures the new global body, so its replies carry no local model."""
+    from fedhet.engine.client import LOCAL_PARAMS
+    from fedhet.engine.simulation import Simulation
+
+    cfg = tiny_config(
+        run={"name": "local", "rounds": 2, "eval_local_models": True},
+        algorithm={"name": "spherefed"},
+    )
+    sim = Simulation(cfg)
+    seen: dict[str, list[bool]] = {}
+    run_phase = sim.executor.run_phase
+
+    def watched(rnd, phase_idx, phase, msgs):
+        replies, failures = run_phase(rnd, phase_idx, phase, msgs)
+        for reply in replies.values():
+            carries = LOCAL_PARAMS in reply.tensors
+            seen.setdefault(phase, []).append(carries)
+            if carries:  # the model the client trained: its reply's body with the fixed classifier
+                assert torch.equal(reply.tensors[LOCAL_PARAMS], reply.tensors["params"])
+        return replies, failures
+
+    sim.executor.run_phase = watched
+    sim.run()
+    assert sim.algo.local_model_phase == TRAIN and sim.algo.phases == (TRAIN, CALIBRATE)
+    assert seen[TRAIN] and all(seen[TRAIN]) and not any(seen[CALIBRATE])
+    last = read_metrics(sim.run_dir / "metrics.jsonl")[-1]
+    assert 0 < last["local_risk"] < 1 and last["local_kl"] > 0

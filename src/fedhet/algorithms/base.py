@@ -115,6 +115,12 @@ class Algorithm:
     # ``aggregate`` in use (``accepts_gne``): a subclass that overrides ``aggregate`` must declare it again.
     weighted_aggregate: ClassVar[bool] = True
 
+    @property
+    def local_model_phase(self) -> str:
+        """The phase whose replies hold the locally trained models, which ``run.eval_local_models`` scores (FedACD's
+        Tables 3 and 9): the round's last phase, unless a later one only measures the new global model."""
+        return self.phases[-1]
+
     def __init__(self, config: AlgoConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
         from fedhet.algorithms.server_opt import ServerOptimizer  # local import: server_opt imports base
 

@@ -43,8 +43,8 @@ with the same squared loss (``loss = "mse"``) is the reading that makes calibrat
 objective; FedRANE's released client (``train_raw``) uses unscaled cross-entropy with its fixed classifier and
 MSE in other variants, which ``loss = "ce"`` with ``ce_scale = 1`` reproduces. ``ridge`` only keeps the system
 solvable when the features span fewer than D directions (the paper's solution is plain least squares).
-``run.eval_local_models`` is not meaningful here: the engine attaches the models of a round's last phase, which for
-SphereFed is the calibration phase (the global body), not the locally trained models.
+``run.eval_local_models`` scores the bodies the clients trained in the ``train`` phase (``local_model_phase``), with
+the fixed classifier they trained against; the calibration phase trains nothing.
 """
 
 from __future__ import annotations
@@ -197,6 +197,10 @@ class SphereFed(FedAvg):
 
     def round_metrics(self, rnd: int) -> dict[str, float]:
         return dict(self.stats)
+
+    @property
+    def local_model_phase(self) -> str:
+        return TRAIN  # the calibration phase trains nothing: its replies are statistics of the global body
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "fixed": self.fixed, "stats": dict(self.stats)}

@@ -78,7 +78,7 @@ class ClientRunner:
     ) -> tuple[Reply, State]:
         ctx = self.context(cid, rnd, phase_idx, phase, msg, data, state)
         reply = self.algo.client_update(ctx)
-        if self.local_diagnostics and phase == self.algo.phases[-1]:
+        if self.local_diagnostics and phase == self.algo.local_model_phase:
             self.diagnose(reply, data)
         check_finite(reply, ctx.state)
         return reply, ctx.state

@@ -329,6 +329,7 @@ class Simulation:
         self.empty_streak = 0  # rounds in a row in which no client finished
         # run.eval_local_models: the local models (params, buffers) of the last phase's replies, for evaluation
         self.local_models: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.local_kls: list[float] = []  # and their KL(P^m || Q) on their own data (Table 9)
         self._dist_samples: list[np.ndarray] | None = None
         # train.sampling = "dynamic": each client's last measured performance and the round it was measured in
         self.performance: list[float] | None = None
@@ -412,12 +413,13 @@ class Simulation:
         msgs = self.algo.configure(rnd, cids, phase)
         replies, failures = self.executor.run_phase(rnd, phase_idx, phase, msgs)
         replies = dict(sorted(replies.items()))  # aggregation order is fixed, whatever order clients ran in
-        if phase == self.algo.phases[-1]:  # this round's local models only: never a failed round's predecessors
+        if phase == self.algo.local_model_phase:  # this round's local models only: never a failed round's ones
             self.local_models = {
                 cid: (r.tensors.pop(LOCAL_PARAMS), r.tensors.pop(LOCAL_BUFFERS, None))
                 for cid, r in replies.items()
                 if LOCAL_PARAMS in r.tensors
             }
+            self.local_kls = [r.metrics["local_kl"] for r in replies.values() if "local_kl" in r.metrics]
         if replies:
             self.algo.aggregate(rnd, replies, phase)
             self.seen.update(replies)
@@ -428,7 +430,7 @@ class Simulation:
         self.flat.set_params(self.algo.global_params)
         self.flat.set_buffers(self.algo.global_buffers)
         metrics = evaluate_global(self.model, self.eval_fed, self.cfg.run.eval_batch_size, self.dist_samples())
-        metrics.update(self.local_model_metrics(result.replies))
+        metrics.update(self.local_model_metrics())
         metrics.update(self.extra_model_metrics())
         acc = metrics["test_acc"]
         self.ema = acc if self.ema is None else self.cfg.run.ema * self.ema + (1 - self.cfg.run.ema) * acc
@@ -464,7 +466,7 @@ class Simulation:
             self._dist_samples = client_test_samples(y, self.eval_fed.label_distribution(), sizes, rng)
         return self._dist_samples
 
-    def local_model_metrics(self, replies: dict[int, Reply]) -> dict[str, float]:
+    def local_model_metrics(self) -> dict[str, float]:
         """FedACD's Tables 3 and 9 for this round's local models (run.eval_local_models): the mean over participants
         of their risk on every client's label distribution, and of their KL(P^m || Q) on their own data."""
         if not self.local_models:
@@ -479,8 +481,7 @@ class Simulation:
             risks.append(local_risk(stats.per_class_acc(), label_dist))
         self.flat.set_params(self.algo.global_params)
         self.flat.set_buffers(self.algo.global_buffers)
-        kls = [r.metrics["local_kl"] for r in replies.values() if "local_kl" in r.metrics]
-        self.local_models = {}
+        kls, self.local_models, self.local_kls = self.local_kls, {}, []
         out = {"local_risk": float(np.mean(risks))}
         if kls:
             out["local_kl"] = float(np.mean(kls))
