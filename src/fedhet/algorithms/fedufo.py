@@ -190,6 +190,18 @@ class Taps(nn.Module):
         return features, self.model.head(features)
 
 
+def mean_loss_terms(replies: dict[int, Reply]) -> dict[str, float]:
+    """The sample-weighted mean over the replies of each loss term the posterior (or single) phase reports, named
+    ``fedufo_<term>`` in metrics.jsonl: ``ce_loss`` and the weighted ``uad_loss``, ``cgr_loss``, ``cgl_loss`` of the
+    terms that were active (per step, averaged; their sum is the engine's ``train_loss``), and ``disc_loss``, the
+    discriminator's own loss. A term active for only some clients is averaged as 0 for the others."""
+    n = sum(r.num_examples for r in replies.values())
+    names = sorted({k for r in replies.values() for k in r.metrics if k.endswith("_loss") and k != "train_loss"})
+    if not n:
+        return {}
+    return {f"fedufo_{k}": sum(r.metrics.get(k, 0.0) * r.num_examples for r in replies.values()) / n for k in names}
+
+
 @ALGORITHMS.register(
     "fedufo",
     "FedUFO (Zhang et al. 2021): CE + UAD (client-ID discriminator) then + group and global consensus losses",
@@ -207,6 +219,7 @@ class FedUFO(FedAvg):
         self._taps: Taps | None = None
         self._layout: tuple[list, list] | None = None
         self._priors: dict[int, Reply] = {}  # phase A's replies, until phase B's messages are built
+        self._losses: dict[str, float] = {}  # the last aggregated round's mean loss terms, for its metrics record
 
     @classmethod
     def prepare_federated_model(cls, config: FedUFOConfig, model: FedModel, num_clients: int) -> FedModel:
@@ -249,6 +262,7 @@ class FedUFO(FedAvg):
         if phase == "prior":
             self._priors = dict(replies)  # relayed by configure("posterior"); the global model does not move
             return {}
+        self._losses = mean_loss_terms(replies)
         keep = self.disc_slice() if self.config.discriminator == "private" else None
         if keep is None:
             return super().aggregate(rnd, replies, phase)
@@ -263,7 +277,7 @@ class FedUFO(FedAvg):
         return {}
 
     def round_metrics(self, rnd: int) -> dict[str, float]:
-        return {"fedufo_stage": 2.0 if self.in_stage_two(rnd) else 1.0}
+        return {"fedufo_stage": 2.0 if self.in_stage_two(rnd) else 1.0, **self._losses}
 
     # ----------------------------------------------------------------- client side
     def taps(self) -> Taps:
@@ -310,7 +324,7 @@ class FedUFO(FedAvg):
             own = ctx.state.get(DISC)
             if disc is not None and self.config.discriminator == "private" and own is not None:
                 ctx.flat.params[disc] = own
-            ctx.scratch["ufo_losses"] = dict.fromkeys(("ce", "uad", "cgr", "cgl"), 0.0)
+            ctx.scratch["ufo_losses"] = {}  # the loss terms of this phase's steps, summed (reply metrics)
             ctx.scratch["ufo_targets"] = self.cached_targets(ctx)
         if disc is not None:  # D is frozen while the model trains, in both phases
             ctx.scratch["ufo_disc"] = ctx.flat.params[disc].clone()
@@ -345,7 +359,11 @@ class FedUFO(FedAvg):
     def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         uad, cgr, cgl = self.active(ctx)
         if not (uad or cgr or cgl):
-            return super().local_loss(ctx, x, y)  # the prior, and "cls": FedAvg's loss exactly
+            loss = super().local_loss(ctx, x, y)  # the prior, and "cls": FedAvg's loss exactly
+            if "ufo_losses" in ctx.scratch:  # not in the prior phase, whose reply reports no terms
+                sums = ctx.scratch["ufo_losses"]
+                sums["ce"] = sums.get("ce", 0.0) + float(loss.detach())
+            return loss
         c = self.config
         features = ctx.model.body(x)
         logits = ctx.model.head(features)
@@ -358,7 +376,7 @@ class FedUFO(FedAvg):
             terms["cgl"] = c.cgl_weight * self.kl(logits, self.target(ctx, "cgl", x))
         sums = ctx.scratch["ufo_losses"]
         for name, term in terms.items():
-            sums[name] += float(term.detach())
+            sums[name] = sums.get(name, 0.0) + float(term.detach())
         return sum(terms.values())
 
     def kl(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
