@@ -201,8 +201,9 @@ class PartitionSection(_Component):
     # where a client's local test data come from: "split" = local_test_fraction of its own training data; "matched"
     # = the official test set dealt to clients like their training data (each class in proportion to the training
     # samples of it they hold; per-class shards get the same shards of the test set: FedUFO, notes/fedufo.md
-    # reading 12), so fairness is measured on test data that follow each client's classes
-    local_test: Literal["split", "matched"] = "split"
+    # reading 12), so fairness is measured on test data that follow each client's classes; "natural" = each user's
+    # own test samples, for a dataset that ships a per-user test split (synthetic with generator = "fedbc")
+    local_test: Literal["split", "matched", "natural"] = "split"
     merge_test: bool = False  # partition train+test together (FedBC's power-law protocol)
 
 
@@ -284,10 +285,16 @@ class Config(_Strict):
     def _check(self) -> Config:
         n = self.partition.num_clients
         part = self.partition
-        if part.local_test == "matched" and (part.local_test_fraction > 0 or part.merge_test):
+        if part.local_test != "split" and (part.local_test_fraction > 0 or part.merge_test):
             raise ValueError(
-                "partition.local_test='matched' takes the clients' test data from the official test set; it cannot "
-                "be combined with partition.local_test_fraction > 0 or partition.merge_test (use local_test='split')"
+                f"partition.local_test={part.local_test!r} takes the clients' test data from the official test set; "
+                "it cannot be combined with partition.local_test_fraction > 0 or partition.merge_test "
+                "(use local_test='split')"
+            )
+        if part.local_test == "natural" and part.name != "natural":
+            raise ValueError(
+                f"partition.local_test='natural' gives each user its own test samples, so it needs "
+                f"partition.name='natural', not {part.name!r}"
             )
         if self.train.clients_per_round is not None and self.train.clients_per_round > n:
             raise ValueError(

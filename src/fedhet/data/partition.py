@@ -91,6 +91,19 @@ def match_test(labels_test: np.ndarray, train_counts: np.ndarray, rng: np.random
     return parts_from_owner(owner, len(train_counts))
 
 
+def natural_test(groups_train: np.ndarray, parts: list[np.ndarray], groups_test: np.ndarray) -> list[np.ndarray]:
+    """Each client's own test samples: those of ``groups_test`` whose user is the one its training samples belong
+    to (a natural partition gives a client one user's samples; an empty client gets no test samples)."""
+    groups_train, groups_test = np.asarray(groups_train), np.asarray(groups_test)
+    out = []
+    for idx in parts:
+        users = np.unique(groups_train[idx])
+        if len(users) > 1:
+            raise DataError("partition.local_test='natural' needs clients that each hold one user's samples")
+        out.append(np.flatnonzero(groups_test == users[0]) if len(users) else np.empty(0, np.int64))
+    return out
+
+
 def label_counts(labels: np.ndarray, parts: list[np.ndarray], num_classes: int) -> np.ndarray:
     """``(num_clients, num_classes)`` matrix of how many samples of each class every client holds."""
     labels = np.asarray(labels)

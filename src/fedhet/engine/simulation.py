@@ -99,7 +99,7 @@ def check_aggregation(cfg: Config) -> None:
 
 def build_federation(cfg: Config) -> FederatedDataset:
     from fedhet.data.datasets import load_dataset
-    from fedhet.data.partition import label_counts, match_test, partition
+    from fedhet.data.partition import label_counts, match_test, natural_test, partition
 
     plugins.load(cfg.run.plugins)  # a Flower node builds its data here without resolving the config first
     ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir, **cfg.dataset.params()).train_subset(
@@ -119,6 +119,13 @@ def build_federation(cfg: Config) -> FederatedDataset:
             raise ConfigError(f"partition.local_test='matched' needs a test set, and {ds.name!r} has none; use 'split'")
         counts = label_counts(ds.y_train, parts, ds.num_classes)
         test_parts = match_test(ds.y_test, counts, np.random.default_rng([seed, 0x7E5]))
+    elif p.local_test == "natural":
+        if ds.groups_test is None or not ds.has_test_set:
+            raise ConfigError(
+                f"partition.local_test='natural' needs a dataset with a per-user test split, and {ds.name!r} has "
+                "none (synthetic with dataset.generator='fedbc' has one); use 'split'"
+            )
+        test_parts = natural_test(groups, parts, ds.groups_test)
     return federate(
         ds,
         parts,
