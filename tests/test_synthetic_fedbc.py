@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from fedhet.config import build_config
-from fedhet.data.datasets import fedbc_splits, load_dataset, synthetic_users_legacy
+from fedhet.data.datasets import load_dataset
+from fedhet.data.datasets.generated import SyntheticParams, fedbc_splits, synthetic_users_legacy
 from fedhet.data.partition import natural_test
 from fedhet.data.types import DataError
 from fedhet.engine.simulation import build_federation
@@ -17,7 +18,6 @@ from fedhet.errors import ConfigError
 
 
 def params(**changes):
-    from fedhet.data.datasets import SyntheticParams
 
     return SyntheticParams(generator="fedbc", **changes)
 
