@@ -10,7 +10,9 @@ the global test accuracy at rounds 50, 100 and 200 (mean ± std over the seeds t
 - data: another draw of Synthetic(0.5, 0.5) and its split (dataset.seed = partition.seed = d), since Table 1's
   "±" over run seeds cannot show how much one data set decides;
 - SCAFFOLD: without momentum (where ours and the official code's control-variate arithmetic are the same), and at
-  the lr of every other method (0.01) instead of the official script's 0.1.
+  the lr of every other method (0.01) instead of the official script's 0.1;
+- official: the FedBC code's own data set (dataset.generator = "fedbc", seed 1 of create_partition_synthetic.sh,
+  each user's own 80/20 split) for the E = 1 column and FedAvg/FedBC at E = 50, 100 rounds.
 
 The runs are fedhet runs in OUT/<probe>-s<seed>, run like table1.py's (finished ones skipped, killed ones resumed).
 """
@@ -26,6 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from table1 import TRAIN_OVERRIDES, algo_overrides, cells, finished_run  # noqa: E402
 
 READ_AT = (50, 100, 200)
+# The FedBC code's own data set: create_partition_synthetic.sh's seed 1, drawn as its partition.py draws it, with each
+# user's 80/20 split as its local test data (the global test set is their union, as before).
+OFFICIAL = [
+    "dataset.generator='fedbc'",
+    "dataset.seed=1",
+    "partition.local_test='natural'",
+    "partition.local_test_fraction=0.0",
+]
 SEEDS = (0, 1, 2)
 # (probe name, algorithm, local epochs E, rounds, extra overrides, seeds)
 PROBES: list[tuple[str, str, int, int, list[str], tuple[int, ...]]] = [
@@ -43,6 +53,11 @@ PROBES: list[tuple[str, str, int, int, list[str], tuple[int, ...]]] = [
         for d in (1, 2)
         for a in ("fedavg", "fedbc")
     ],
+    *[
+        (f"{a}-E1-official-T100", a, 1, 100, OFFICIAL, SEEDS)
+        for a in ("fedavg", "qfedavg", "fedprox", "scaffold", "fedbc")
+    ],
+    *[(f"{a}-E50-official-T100", a, 50, 100, OFFICIAL, SEEDS) for a in ("fedavg", "fedbc")],
 ]
 
 
