@@ -10,7 +10,7 @@ import pytest
 
 from fedhet.config import build_config
 from fedhet.data.datasets import load_dataset
-from fedhet.data.datasets.generated import SyntheticParams, fedbc_splits, synthetic_users_legacy
+from fedhet.data.datasets.generated import SyntheticParams, fedbc_splits, synthetic_users
 from fedhet.data.partition import natural_test
 from fedhet.data.types import DataError
 from fedhet.engine.simulation import build_federation
@@ -27,7 +27,7 @@ def test_the_draws_follow_the_legacy_streams_order():
     every user's x prior, and then per user its W and b (before its features): user 0's labels are the argmax of its
     rows' logits under the W and b drawn at that point of the stream."""
     p = params(seed=3, num_users=4, dim=5, num_classes=3)
-    xs, ys = synthetic_users_legacy(p)
+    xs, ys = synthetic_users(p)
     rng = np.random.RandomState(3)
     sizes = rng.lognormal(4, 2, 4).astype(int) + 50
     assert [len(y) for y in ys] == sizes.tolist() and [x.shape for x in xs] == [(n, 5) for n in sizes]
@@ -49,7 +49,7 @@ def test_the_split_is_python_random_shuffle_per_user_and_an_int_80_percent_cut()
 
 def test_the_dataset_holds_each_users_train_and_test_parts():
     ds = load_dataset("synthetic", generator="fedbc", seed=1, num_users=6)
-    xs, ys = synthetic_users_legacy(params(seed=1, num_users=6))
+    xs, ys = synthetic_users(params(seed=1, num_users=6))
     cuts = fedbc_splits([len(y) for y in ys], 1)
     for user, (x, y, (order, cut)) in enumerate(zip(xs, ys, cuts, strict=True)):
         train, test = ds.groups_train == user, ds.groups_test == user

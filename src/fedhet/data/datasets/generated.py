@@ -55,7 +55,7 @@ def load_digits(data_dir: str | Path | None = None, **params) -> ArrayDataset:
 def load_synthetic(data_dir: str | Path | None = None, **params) -> ArrayDataset:
     p = parse_params("dataset", "synthetic", SyntheticParams, params)
     if p.generator == "fedbc":
-        xs, ys = synthetic_users_legacy(p)
+        xs, ys = synthetic_users(p)
         cuts = fedbc_splits([len(y) for y in ys], p.seed)
         train = [(x[order[:cut]], y[order[:cut]]) for x, y, (order, cut) in zip(xs, ys, cuts, strict=True)]
         test = [(x[order[cut:]], y[order[cut:]]) for x, y, (order, cut) in zip(xs, ys, cuts, strict=True)]
@@ -82,13 +82,18 @@ def user_ids(sizes: list[int]) -> np.ndarray:
 
 
 def synthetic_users(p: SyntheticParams) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """FedProx's generate_synthetic (as FedBC uses it), with draws in the same order from a seeded Generator."""
-    rng = np.random.default_rng(p.seed)
+    """FedProx's generate_synthetic (as FedBC uses it): the draws in its order. ``generator = "default"`` draws from
+    a seeded numpy Generator (features as mean + standard normal x sigma, labels the argmax of the logits);
+    ``"fedbc"`` is the FedBC code's draw for draw: numpy's legacy RandomState, features from
+    ``multivariate_normal``, labels the argmax of the softmax of each row's ``x . W + b`` computed row by row in
+    float64 (a vectorised product can round differently and flip a near tie; an overflowing row gives nan, which
+    argmax picks, as theirs does)."""
+    legacy = p.generator == "fedbc"
+    rng = np.random.RandomState(p.seed) if legacy else np.random.default_rng(p.seed)
     n, d, k = p.num_users, p.dim, p.num_classes
     sizes = rng.lognormal(4, 2, n).astype(np.int64) + 50
     mean_w = rng.normal(0, p.alpha, n)  # the bias prior shares this mean
     b_prior = rng.normal(0, p.beta, n)
-    std_x = np.arange(1, d + 1) ** -0.6  # Sigma = diag(j^-1.2)
     mean_x = [np.full(d, b) if p.iid else rng.normal(b, 1, d) for b in b_prior]
     if p.iid:
         w_global, b_global = rng.normal(0, 1, (d, k)), rng.normal(0, 1, k)
@@ -97,33 +102,15 @@ def synthetic_users(p: SyntheticParams) -> tuple[list[np.ndarray], list[np.ndarr
         w, b = rng.normal(mean_w[i], 1, (d, k)), rng.normal(mean_w[i], 1, k)
         if p.iid:
             w, b = w_global, b_global
-        x = mean_x[i] + rng.standard_normal((sizes[i], d)) * std_x
-        xs.append(x)
-        ys.append(np.argmax(x @ w + b, axis=1).astype(np.int64))  # argmax of softmax = argmax of logits
-    return xs, ys
-
-
-def synthetic_users_legacy(p: SyntheticParams) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """The FedBC code's generate_synthetic draw for draw: numpy's legacy RandomState seeded with ``p.seed``, features
-    from ``multivariate_normal``, and labels as the argmax of the softmax of each row's ``x . W + b`` computed row by
-    row in float64 (a vectorised product can round differently and flip a near tie)."""
-    rng = np.random.RandomState(p.seed)
-    n, d, k = p.num_users, p.dim, p.num_classes
-    sizes = rng.lognormal(4, 2, n).astype(int) + 50
-    mean_w = rng.normal(0, p.alpha, n)  # the bias prior shares this mean
-    b_prior = rng.normal(0, p.beta, n)
-    cov_x = np.diag(np.power(np.arange(1, d + 1, dtype=np.float64), -1.2))
-    mean_x = [np.ones(d) * b if p.iid else rng.normal(b, 1, d) for b in b_prior]
-    if p.iid:
-        w_global, b_global = rng.normal(0, 1, (d, k)), rng.normal(0, 1, k)
-    xs, ys = [], []
-    for i in range(n):
-        w, b = rng.normal(mean_w[i], 1, (d, k)), rng.normal(mean_w[i], 1, k)
-        if p.iid:
-            w, b = w_global, b_global
-        x = rng.multivariate_normal(mean_x[i], cov_x, sizes[i])
-        with np.errstate(over="ignore", invalid="ignore"):  # an overflowing row gives nan, argmax picks it as theirs
-            y = np.array([np.argmax(np.exp(row @ w + b) / np.sum(np.exp(row @ w + b))) for row in x], np.int64)
+        if legacy:
+            x = rng.multivariate_normal(
+                mean_x[i], np.diag(np.power(np.arange(1, d + 1, dtype=np.float64), -1.2)), sizes[i]
+            )
+            with np.errstate(over="ignore", invalid="ignore"):
+                y = np.array([np.argmax(np.exp(row @ w + b) / np.sum(np.exp(row @ w + b))) for row in x], np.int64)
+        else:
+            x = mean_x[i] + rng.standard_normal((sizes[i], d)) * np.arange(1, d + 1) ** -0.6  # Sigma = diag(j^-1.2)
+            y = np.argmax(x @ w + b, axis=1).astype(np.int64)  # argmax of softmax = argmax of logits
         xs.append(x)
         ys.append(y)
     return xs, ys
