@@ -13,6 +13,7 @@ from fedhet.algorithms import fedufo as ufo
 from fedhet.algorithms.base import ClientContext, ClientData
 from fedhet.config import TrainSection
 from fedhet.engine.flat import FlatModel
+from fedhet.engine.local import batch_indices
 from fedhet.engine.simulation import Simulation, build_training
 from fedhet.errors import ConfigError
 from fedhet.models import build_model
@@ -181,6 +182,50 @@ def test_one_round_of_one_client_by_hand():
     assert reply.metrics["disc_loss"] == pytest.approx(d_loss.item())
 
 
+def test_step_schedule_alternates_model_and_discriminator_per_batch_by_hand():
+    torch.manual_seed(0)
+    make, algo, _ = build(stage1_rounds=0, cgr=False, cgl=False, disc_schedule="step")
+    train = TrainSection(batch_size=3, local_steps=2, lr=0.1)
+    algo.setup.train = train
+    w0 = FlatModel(make()).get_params()
+    algo.init_server(w0, torch.zeros(0))
+    clients = {1: data(1), 3: data(3)}
+    priors, msgs = phase_a(algo, make, train, clients)
+    x, y = clients[1]
+    reply = algo.client_update(context(algo, make, train, 1, "posterior", msgs[1], x, y))
+
+    # by hand: model step on batch 1 (CE + UAD, D frozen), D step on batch 1's new features, the same on batch 2
+    ref = make()
+    flat = FlatModel(ref)
+    disc = algo.disc_slice()
+    flat.set_params(priors[3].tensors["params"])
+    with torch.no_grad():
+        f3 = ref.body(x)
+    w = w0.clone()
+    d_losses = []
+    for idx in batch_indices(6, 3, 2, torch.Generator().manual_seed(1)):
+        flat.set_params(w)
+        flat.zero_grad()
+        f = ref.body(x[idx])
+        uad = -F.log_softmax(ref.discriminator(f), 1).sum(1).mean() / 4
+        (F.cross_entropy(ref.head(f), y[idx]) + uad).backward()
+        d = w[disc].clone()
+        w = w - 0.1 * flat.grad
+        w[disc] = d
+        flat.set_params(w)
+        flat.zero_grad()
+        with torch.no_grad():
+            own = ref.body(x[idx])
+        d_loss = F.cross_entropy(ref.discriminator(own), torch.full((3,), 1)) + F.cross_entropy(
+            ref.discriminator(f3[idx]), torch.full((3,), 3)
+        )
+        d_loss.backward()
+        w[disc] -= 0.1 * flat.grad[disc]
+        d_losses.append(d_loss.item())
+    torch.testing.assert_close(reply.tensors["params"], w)
+    assert reply.metrics["disc_loss"] == pytest.approx(sum(d_losses) / 2)
+
+
 def test_the_discriminator_is_frozen_while_the_model_trains_and_priors_are_plain_cross_entropy():
     make, algo, _ = build(stage1_rounds=0, disc_epochs=0)
     train = TrainSection(batch_size=2, local_steps=3, lr=0.1, momentum=0.9, weight_decay=0.01)
@@ -275,7 +320,11 @@ def test_fedufo_resumes_bit_exact_across_the_stage_boundary(tiny_config, kill_an
     torch.testing.assert_close(full.algo.global_params, resumed.algo.global_params, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("params", [{}, {"discriminator": "private", "posterior_init": "prior"}], ids=["fed", "priv"])
+@pytest.mark.parametrize(
+    "params",
+    [{}, {"discriminator": "private", "posterior_init": "prior"}, {"disc_schedule": "step"}],
+    ids=["fed", "priv", "step"],
+)
 def test_workers_give_the_same_bits_in_both_stages(tiny_config, params):
     def make(name, workers):  # with dropout: the lazily built layout and teacher models leave its stream alone
         return tiny_config(

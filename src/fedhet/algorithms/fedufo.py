@@ -40,8 +40,9 @@ code exists (the repositories named FedUFO on GitHub are unrelated, notes sec. 1
   client state, as FedRoD's personal head; the notes' third reading, a server-held D, is not offered since nothing
   would train it); it keeps training in stage two (2.5.5, ``disc_in_stage_two``); it trains after the model in each
   round for ``disc_epochs`` = 1 epoch with the loop's SGD settings and the round's lr but no gradient clipping
-  (2.5.4; the per-mini-batch GAN-style alternation is not offered), on features computed once per round in eval
-  mode (the model is frozen then, so they are constants);
+  (2.5.4), on features computed once per round in eval mode (the model is frozen then, so they are constants);
+  ``disc_schedule = "step"`` alternates per mini-batch instead (one D step on each batch right after the model's
+  step, same optimiser settings), so D follows the features within the round;
 * KL(teacher || student) with batchmean reduction and no temperature (2.5.7; PyTorch's ``kl_div(log y^, y~)``);
 * the CGR target is the literal softmax of the mixture (2.5.8; ``cgr_fusion = "l1"`` normalises it instead) and
   includes the client's own prior (2.5.9, Eq. 6-7 range over j = 1..K_c; ``cgr_include_self = false`` fuses the
@@ -104,6 +105,10 @@ class FedUFOConfig(FedAvgConfig):  # weighting "samples": "weighted aggregation"
     disc_hidden: int | None = Field(None, ge=1)  # None: the embedding size (Sec. 4.1.1: "same as the input")
     disc_epochs: int = Field(1, ge=0)  # E_d, proposal of notes 2.5.4; the paper does not say
     disc_in_stage_two: bool = True  # proposal, notes 2.5.5: D keeps training in stage two; false: frozen there
+    # proposal, notes 2.5.4: "round" trains the model for its local epochs with D frozen, then D for disc_epochs
+    # epochs with the model frozen; "step" is the notes' alternative, GAN-style alternation per mini-batch: after
+    # every model step, one step of D on that batch's features (disc_epochs unused)
+    disc_schedule: Literal["round", "step"] = "round"
     # proposal, notes 2.5.9: the client's own prior is in the CGR fusion (Eq. 6-7 range over j = 1..K_c); false:
     # "the local models of all the other clients" (the text), with the proportions taken over those clients
     cgr_include_self: bool = True
@@ -328,6 +333,11 @@ class FedUFO(FedAvg):
             ctx.scratch["ufo_targets"] = self.cached_targets(ctx)
         if disc is not None:  # D is frozen while the model trains, in both phases
             ctx.scratch["ufo_disc"] = ctx.flat.params[disc].clone()
+            if ctx.phase != "prior" and self.config.disc_schedule == "step" and self.trains_disc(ctx):
+                ctx.scratch["ufo_disc_opt"] = self.disc_optimizer(ctx)
+                ctx.scratch["ufo_disc_loss"] = 0.0
+                if ctx.augment is None:  # the other members' features of every local sample, once per round
+                    ctx.scratch["ufo_others"] = self.other_features(ctx, ctx.data.x)
 
     def cached_targets(self, ctx: ClientContext) -> dict[str, torch.Tensor]:
         """The consensus targets of every local sample, computed once per round (notes 8.14). With augmentation a
@@ -365,6 +375,8 @@ class FedUFO(FedAvg):
                 sums["ce"] = sums.get("ce", 0.0) + float(loss.detach())
             return loss
         c = self.config
+        if "ufo_disc_opt" in ctx.scratch:
+            ctx.scratch["ufo_x"] = x  # the batch D trains on after this step (disc_schedule "step")
         features = ctx.model.body(x)
         logits = ctx.model.head(features)
         terms = {"ce": F.cross_entropy(logits, y)}
@@ -411,8 +423,15 @@ class FedUFO(FedAvg):
 
     def after_step(self, ctx: ClientContext) -> None:
         disc = self.disc_slice()
-        if disc is not None:  # undo weight decay and momentum on the frozen D
-            ctx.flat.params[disc] = ctx.scratch["ufo_disc"]
+        if disc is None:
+            return
+        ctx.flat.params[disc] = ctx.scratch["ufo_disc"]  # undo weight decay and momentum on the frozen D
+        opt = ctx.scratch.get("ufo_disc_opt")
+        if opt is not None:  # disc_schedule "step": now D's turn, on this batch's features, the model frozen
+            x = ctx.scratch.pop("ufo_x")
+            others = self.batch_others(ctx, x)
+            ctx.scratch["ufo_disc_loss"] += self.disc_step(ctx, opt, self.own_features(ctx, x), others)
+            ctx.scratch["ufo_disc"] = ctx.flat.params[disc].clone()
 
     def after_local(self, ctx: ClientContext) -> Reply:
         if ctx.phase == "prior":
@@ -420,8 +439,10 @@ class FedUFO(FedAvg):
             reply.tensors["counts"] = ctx.data.label_counts()
             return reply
         disc = self.disc_slice()
-        trains_disc = disc is not None and (self.config.disc_in_stage_two or not self.in_stage_two(ctx.round))
-        disc_loss = self.train_discriminator(ctx) if trains_disc else 0.0
+        if "ufo_disc_opt" in ctx.scratch:  # trained step by step already
+            disc_loss = ctx.scratch["ufo_disc_loss"] / max(ctx.steps, 1)
+        else:
+            disc_loss = self.train_discriminator(ctx) if self.trains_disc(ctx) else 0.0
         if disc is not None and self.config.discriminator == "private":
             ctx.state[DISC] = ctx.flat.params[disc].clone()
             ctx.flat.params[disc] = ctx.global_params[disc]  # a private D never leaves the client
@@ -432,37 +453,67 @@ class FedUFO(FedAvg):
             reply.metrics["disc_loss"] = disc_loss
         return reply
 
-    def train_discriminator(self, ctx: ClientContext) -> float:
-        """Eq. 5 for ``disc_epochs`` epochs with the model frozen: SGD on D's slice only. Returns the mean loss."""
-        x, n = ctx.data.x, len(ctx.data)
-        tensors = ctx.message.tensors
-        group = tensors.get("group")
-        if self.config.disc_epochs == 0 or group is None or n == 0:
-            return 0.0
-        ctx.model.eval()  # features are constants here: no dropout, running statistics as they are
+    def trains_disc(self, ctx: ClientContext) -> bool:
+        """Whether D trains in this round (it exists, and stage two lets it unless disc_in_stage_two is false)."""
+        c = self.config
+        return self.disc_slice() is not None and (c.disc_in_stage_two or not self.in_stage_two(ctx.round))
+
+    def own_features(self, ctx: ClientContext, x: torch.Tensor) -> torch.Tensor:
+        """The posterior's features of x as constants: eval mode (no dropout, running statistics as they are)."""
+        ctx.model.eval()
         with torch.no_grad():
             own = torch.cat([ctx.model.body(part) for part in x.split(CHUNK)])
+        ctx.model.train()
+        return own
+
+    def other_features(self, ctx: ClientContext, x: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        """(features of x under member j's prior, j) for every other group member (Eq. 1)."""
+        tensors = ctx.message.tensors
         buffers = tensors.get("prior_buffers")
         others = []
-        for row, cid in enumerate(group.tolist()):
+        for row, cid in enumerate(tensors["group"].tolist()):
             if cid != ctx.cid:
                 run = self.teacher(tensors["prior_params"][row], None if buffers is None else buffers[row])
                 others.append((torch.cat([run(part)[0] for part in x.split(CHUNK)]), cid))
-        disc_module = getattr(ctx.model, DISC)
-        disc = self.disc_slice()
-        t = ctx.train
+        return others
+
+    def batch_others(self, ctx: ClientContext, x: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        """other_features of the current batch: looked up in the round's cache, or computed (augmented inputs)."""
+        cached = ctx.scratch.get("ufo_others")
+        if cached is None:
+            return self.other_features(ctx, x)
+        return [(f[ctx.batch], cid) for f, cid in cached]
+
+    def disc_optimizer(self, ctx: ClientContext) -> FlatSGD:
+        """SGD with the loop's settings on D's slice only (no gradient clipping)."""
+        disc, t = self.disc_slice(), ctx.train
         view = SimpleNamespace(params=ctx.flat.params[disc], grad=ctx.flat.grad[disc])
-        opt = FlatSGD(view, ctx.lr, t.momentum, t.weight_decay, t.nesterov)  # the loop's settings, on D only
+        return FlatSGD(view, ctx.lr, t.momentum, t.weight_decay, t.nesterov)
+
+    def disc_step(
+        self, ctx: ClientContext, opt: FlatSGD, own: torch.Tensor, others: list[tuple[torch.Tensor, int]]
+    ) -> float:
+        """One SGD step of D on Eq. 5 for one batch of features; returns the loss."""
+        ctx.flat.zero_grad()
+        loss = discriminator_loss(getattr(ctx.model, DISC), own, ctx.cid, others)
+        loss.backward()
+        opt.step()
+        ctx.flat.zero_grad()
+        return float(loss.detach())
+
+    def train_discriminator(self, ctx: ClientContext) -> float:
+        """Eq. 5 for ``disc_epochs`` epochs with the model frozen: SGD on D's slice only. Returns the mean loss."""
+        n = len(ctx.data)
+        if self.config.disc_epochs == 0 or ctx.message.tensors.get("group") is None or n == 0:
+            return 0.0
+        own = self.own_features(ctx, ctx.data.x)
+        others = self.other_features(ctx, ctx.data.x)
+        opt = self.disc_optimizer(ctx)
+        t = ctx.train
         total = num_local_steps(n, t.batch_size, self.config.disc_epochs, None)
         loss_sum = 0.0
         for idx in batch_indices(n, t.batch_size, total, ctx.generator):
-            ctx.flat.zero_grad()
-            loss = discriminator_loss(disc_module, own[idx], ctx.cid, [(f[idx], cid) for f, cid in others])
-            loss.backward()
-            opt.step()
-            loss_sum += float(loss.detach())
-        ctx.flat.zero_grad()
-        ctx.model.train()
+            loss_sum += self.disc_step(ctx, opt, own[idx], [(f[idx], cid) for f, cid in others])
         return loss_sum / total
 
 
