@@ -5,10 +5,11 @@ runs (benchmarks/reproduce/fedufo/fmnist.toml), beside the paper's MNIST numbers
 
 Each RUNS_DIR holds <variant>-s<seed> run folders (default: runs/reproduce/fedufo-fmnist, then the archived cells in
 benchmarks/reproduce/fedufo/results); a cell found in several is read from the first. Accuracy is the global model's
-on the test set at each listed round, then the last round's P_b / P_w / P_std (client_acc_max / _min / _std: the
-global model on each client's matched local test data), and the mean of the last five evaluations up to that round
-(the curves swing by 5-10 points between evaluations); each the mean ± sample std over the seeds that reached that
-round, with the seed count. Variants the folders do not hold are left out. Prints markdown.
+on the test set at each listed round, then, averaged over the last five evaluations up to the last listed round
+(the curves swing by 5-10 points between evaluations, the worst client's accuracy by 20-40), the accuracy and P_b /
+P_w / P_std (client_acc_max / _min / _std: the global model on each client's matched local test data); each the
+mean ± sample std over the seeds that reached that round, with the seed count. Variants the folders do not hold
+are left out. Prints markdown.
 """
 
 from __future__ import annotations
@@ -55,12 +56,12 @@ def at(run: Path, metric: str, rnd: int) -> float | None:
     return None
 
 
-def tail_mean(run: Path, last: int, count: int = 5) -> float | None:
-    """Mean test accuracy of the run's last ``count`` evaluations up to round ``last`` (the curves are noisy)."""
+def tail_mean(run: Path, metric: str, last: int, count: int = 5) -> float | None:
+    """Mean of ``metric`` over the run's last ``count`` evaluations up to round ``last`` (the curves are noisy)."""
     records = read_metrics(run / "metrics.jsonl")
-    values = [100.0 * r["test_acc"] for r in records if r.get("test_acc") is not None and r["round"] <= last]
     if not any(r["round"] == last for r in records):
         return None  # the run has not reached the round yet
+    values = [100.0 * r[metric] for r in records if r.get(metric) is not None and r["round"] <= last]
     return statistics.fmean(values[-count:]) if len(values) >= count else None
 
 
@@ -84,7 +85,9 @@ def main() -> None:
     args = parser.parse_args()
     rounds = [int(r) for r in args.rounds.split(",")]
     last = rounds[-1]
-    head = [f"acc @ {r}" for r in rounds] + ["acc, last 5 evals", f"P_b @ {last}", f"P_w @ {last}", f"P_std @ {last}"]
+    fairness = ("client_acc_max", "client_acc_min", "client_acc_std")
+    head = [f"acc @ {r}" for r in rounds] + [f"acc @ {last}, last 5 evals"]
+    head += [f"{name} @ {last}, last 5 evals" for name in ("P_b", "P_w", "P_std")]
     print("Fashion-MNIST, accuracy in %, mean ± std over seeds (seed count in brackets); paper: MNIST.\n")
     print("| Method | " + " | ".join(head) + " | paper P_acc | paper P_b | paper P_w | paper P_std |")
     print("|---" * (len(head) + 5) + "|")
@@ -93,8 +96,8 @@ def main() -> None:
         if not runs:
             continue
         ours = [cell(runs, "test_acc", r) for r in rounds]
-        ours.append(summary([v for v in (tail_mean(r, last) for r in runs) if v is not None]))
-        ours += [cell(runs, m, last) for m in ("client_acc_max", "client_acc_min", "client_acc_std")]
+        for metric in ("test_acc", *fairness):
+            ours.append(summary([v for v in (tail_mean(r, metric, last) for r in runs) if v is not None]))
         print(f"| {NAMES.get(variant, variant)} | " + " | ".join(ours + list(paper)) + " |")
 
 
