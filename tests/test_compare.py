@@ -350,3 +350,50 @@ def test_the_comparison_table_says_whether_seeds_share_a_partition(tmp_path, fla
     assert sentence in " ".join(result.output.split())
     report = runner.invoke(app, ["report", str(out)], env={"COLUMNS": "200"})
     assert sentence in " ".join(report.output.split())
+
+
+# ------------------------------------------------------------------ hyper-parameters shared by the variants
+def algorithms_of(plan) -> dict[str, dict]:
+    return {c.name: c.config.algorithm.params() for c in plan.cells}
+
+
+def test_a_set_algorithm_parameter_reaches_every_variant_that_takes_it(tmp_path):
+    cfg = write_config(tmp_path, 'variants = ["fedavg", "fedprox", "fedufo"]\n[compare.params.fedprox]\nmu = 0.1\n')
+    plan = plan_comparison(cfg, ["algorithm.mu=0.5", "algorithm.discriminator=private", "algorithm.weighting=uniform"])
+    params = algorithms_of(plan)
+    assert params["fedprox-s0"]["mu"] == 0.5  # the command line wins over [compare.params]
+    assert params["fedufo-s0"]["discriminator"] == "private"  # it was silently dropped before
+    assert "mu" not in params["fedavg-s0"] and "discriminator" not in params["fedavg-s0"]
+    assert {p["weighting"] for p in params.values()} == {"uniform"}  # a key every algorithm takes
+
+
+def test_the_base_algorithm_section_reaches_the_variants_below_their_own_params(tmp_path):
+    path = tmp_path / "cmp.toml"
+    path.write_text(
+        SETTING.replace("[model]", '[algorithm]\nname = "fedprox"\nmu = 0.3\n[model]')
+        + '[compare]\nvariants = ["fedavg", "fedprox", "fedprox+fedadam"]\n[compare.params.fedprox]\nmu = 0.2\n'
+    )
+    params = algorithms_of(plan_comparison(path, []))
+    assert params["fedprox-s0"]["mu"] == 0.2 and params["fedprox_fedadam-s0"]["mu"] == 0.2
+    path.write_text(path.read_text().replace("[compare.params.fedprox]\nmu = 0.2\n", ""))
+    assert algorithms_of(plan_comparison(path, []))["fedprox-s0"]["mu"] == 0.3
+
+
+def test_a_parameter_no_variant_takes_is_refused_not_dropped(tmp_path):
+    cfg = write_config(tmp_path, 'variants = ["fedavg", "fedprox"]\n')
+    with pytest.raises(ConfigError, match=r"algorithm\.discriminator: no variant of this comparison takes it"):
+        plan_comparison(cfg, ["algorithm.discriminator=private"])
+    with pytest.raises(ConfigError, match="a comparison picks the algorithm per variant"):
+        plan_comparison(cfg, ["algorithm.name=scaffold"])
+    result = compare("-c", str(cfg), "-s", "algorithm.disc_epochs=2", "--dry-run")
+    assert isinstance(result.exception, ConfigError), result.output  # main() prints it as one line, exit 2
+    assert "algorithm.disc_epochs: no variant" in str(result.exception)
+
+
+def test_server_parameters_and_fixed_fields_reach_a_variant_with_its_own_optimiser(tmp_path):
+    cfg = write_config(tmp_path, 'variants = ["fedavg", "fedavg+fedadam"]\n')
+    plan = plan_comparison(cfg, ["server.lr=0.02", "server.aggregation=gne"])
+    servers = {c.name: c.config.server for c in plan.cells}
+    assert servers["fedavg_fedadam-s0"].name == "fedadam" and servers["fedavg_fedadam-s0"].params()["lr"] == 0.02
+    assert servers["fedavg_fedadam-s0"].aggregation == "gne"  # a fixed field was dropped with the section before
+    assert servers["fedavg-s0"].name == "sgd" and servers["fedavg-s0"].params()["lr"] == 0.02

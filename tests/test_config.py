@@ -367,7 +367,7 @@ def test_every_shipped_config_and_variant_validates(path):
     spec = raw.pop("compare", {})
     for variant in spec.get("variants", []):
         for seed in spec.get("seeds", [0]):
-            resolve_config(build_config(variant_raw(raw, variant, seed, spec)))
+            resolve_config(build_config(variant_raw(raw, variant, seed, spec)[0]))
 
 
 def test_there_are_shipped_configs():

@@ -12,6 +12,10 @@ A comparison config is a run config plus a ``[compare]`` table::
     [compare.grid]                                       # a sweep: every combination of these values
     partition.alpha = [0.1, 0.5]
 
+An ``-s algorithm.KEY=VALUE`` (or a key of the base ``[algorithm]`` section) goes to every variant whose algorithm
+has that hyper-parameter, the command line over ``[compare.params]`` over the base section; one that no variant
+takes is refused rather than dropped. ``server.KEY`` likewise for variants with their own server optimiser.
+
 The cells are grid point x seed x variant. Each is an ordinary run in ``OUT/<variant>-s<seed>``, or
 ``OUT/<point>/<variant>-s<seed>`` with a grid, where the point's folder names the swept values (``alpha0.1``,
 ``alpha0.1-mu0.01``). ``fedhet.cells.run_cells`` runs them (in parallel with ``jobs``, skipping finished cells and
@@ -126,18 +130,107 @@ def parse_variant(text: str) -> tuple[str, str | None]:
     return algo, server or None
 
 
-def variant_raw(base: dict[str, Any], variant: str, seed: int, spec: dict[str, Any]) -> dict[str, Any]:
+# The sections a variant picks the component of; their other keys are hyper-parameters shared by the variants.
+VARIANT_SECTIONS = ("algorithm", "server")
+
+
+def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, dict[str, Any]]]:
+    """``-s`` items for the base setting, and those that set an algorithm's or server optimiser's hyper-parameter:
+    those apply last, to every variant whose component takes them (``-s algorithm.mu=0.1`` sets FedProx's mu in a
+    comparison of FedAvg and FedProx). A section's fixed fields (``server.aggregation``) stay with the base."""
+    from fedhet.config import AlgorithmSection, ServerSection
+
+    fixed = {"algorithm": set(AlgorithmSection.model_fields), "server": set(ServerSection.model_fields)}
+    base: list[str] = []
+    shared: dict[str, dict[str, Any]] = {section: {} for section in VARIANT_SECTIONS}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        section, _, field = key.strip().partition(".")
+        if key.strip() == "algorithm.name":
+            raise ConfigError(
+                "-s algorithm.name: a comparison picks the algorithm per variant; name it with --variants (or -a)"
+            )
+        if sep and section in VARIANT_SECTIONS and field and "." not in field and field not in fixed[section]:
+            shared[section][field.strip()] = parse_value(value)
+        else:
+            base.append(item)
+    return base, shared
+
+
+def takes(section: str, name: str, key: str) -> bool:
+    """Whether the algorithm (or server optimiser) ``name`` has the hyper-parameter ``key``."""
+    from fedhet.algorithms import ALGORITHMS
+    from fedhet.algorithms.server_opt import SERVER_OPTIMIZERS
+
+    registry = ALGORITHMS if section == "algorithm" else SERVER_OPTIMIZERS
+    try:
+        entry = registry.get(name)
+    except ConfigError:
+        return False  # build_config names the unknown component
+    return entry.params is not None and key in entry.params.model_fields
+
+
+def variant_section(
+    base: dict[str, Any], section: str, name: str, own: dict[str, Any], shared: dict[str, Any]
+) -> tuple[dict[str, Any], set[str]]:
+    """One variant's algorithm or server section: the component's name, the base section's fixed fields, the base
+    section's hyper-parameters the component takes, then its own ``[compare.params]`` entry, then the ``-s`` ones it
+    takes. Returns the section and the shared keys it took."""
+    from fedhet.config import AlgorithmSection, ServerSection
+
+    fixed = set((AlgorithmSection if section == "algorithm" else ServerSection).model_fields) - {"name"}
+    raw = base.get(section)
+    raw = raw if isinstance(raw, dict) else {}  # anything else is refused by build_config
+    from_base = {k: v for k, v in raw.items() if k not in fixed and k != "name" and takes(section, name, k)}
+    from_cli = {k: v for k, v in shared.items() if takes(section, name, k)}
+    out = {"name": name, **{k: v for k, v in raw.items() if k in fixed}, **from_base, **own, **from_cli}
+    return out, set(from_base) | set(from_cli)
+
+
+def variant_raw(
+    base: dict[str, Any],
+    variant: str,
+    seed: int,
+    spec: dict[str, Any],
+    shared: dict[str, dict[str, Any]] | None = None,
+) -> tuple[dict[str, Any], dict[str, set[str]]]:
+    """A cell's raw config and the shared hyper-parameters (section -> keys) its components took."""
     algo, server = parse_variant(variant)
+    shared = shared or {section: {} for section in VARIANT_SECTIONS}
     raw = copy.deepcopy(base)
-    raw.setdefault("algorithm", {})
-    raw["algorithm"] = {"name": algo, **spec.get("params", {}).get(algo, {})}
+    took: dict[str, set[str]] = {}
+    raw["algorithm"], took["algorithm"] = variant_section(
+        base, "algorithm", algo, spec.get("params", {}).get(algo, {}), shared["algorithm"]
+    )
     if server is not None:
-        raw["server"] = {"name": server, **spec.get("server_params", {}).get(server, {})}
+        own = spec.get("server_params", {}).get(server, {})
+        raw["server"], took["server"] = variant_section(base, "server", server, own, shared["server"])
+    else:  # the base setting's server optimiser, with every -s of its section, as `fedhet run` would take them
+        for key, value in shared["server"].items():
+            set_dotted(raw, f"server.{key}", value)
+        took["server"] = set(shared["server"])
     run = raw.setdefault("run", {})
     if isinstance(run, dict):  # anything else is refused by build_config
         run["seed"] = seed
         run["name"] = f"{variant.replace('+', '_')}-s{seed}"
-    return raw
+    return raw, took
+
+
+def check_shared_taken(
+    base: dict[str, Any], shared: dict[str, dict[str, Any]], took: dict[str, set[str]], names: list[str]
+) -> None:
+    """A hyper-parameter that no variant's component takes would be silently dropped: refuse it."""
+    algorithm = base.get("algorithm")
+    in_base = {k for k in algorithm if k != "name"} if isinstance(algorithm, dict) else set()
+    given = {"algorithm": set(shared["algorithm"]) | in_base, "server": set(shared["server"])}
+    for section in VARIANT_SECTIONS:
+        unused = sorted(given[section] - took.get(section, set()))
+        if unused:
+            keys = ", ".join(f"{section}.{k}" for k in unused)
+            raise ConfigError(
+                f"{keys}: no variant of this comparison takes it ({', '.join(names)}); set one component's "
+                f"parameters in [compare.params.<algorithm>] or [compare.server_params.<optimiser>]"
+            )
 
 
 # ---------------------------------------------------------------------------------------------- grids
@@ -253,7 +346,8 @@ def plan_comparison(
 
     base = copy.deepcopy(config) if isinstance(config, dict) else load_raw(config)
     spec = parse_spec(base.pop("compare", {}))
-    for item in overrides:
+    base_overrides, shared = split_overrides(overrides)
+    for item in base_overrides:
         apply_override(base, item)
     names = parse_variants(variants) if variants is not None else spec.variants
     if seeds is not None:
@@ -270,11 +364,14 @@ def plan_comparison(
     base_cfg = build_config(base)
     out_dir = Path(base_cfg.run.out_dir)
     cells, labels, points = [], {}, {}
+    took: dict[str, set[str]] = {section: set() for section in VARIANT_SECTIONS}
     for point, values in grid_points(sweep):
         points[point] = []
         for seed in seed_list:
             for variant in names:
-                raw = variant_raw(base, variant, seed, table)
+                raw, taken = variant_raw(base, variant, seed, table, shared)
+                for section, keys in taken.items():
+                    took[section] |= keys
                 for key, value in values.items():
                     set_dotted(raw, key, value)
                 if point:
@@ -288,6 +385,7 @@ def plan_comparison(
                 cells.append(Cell(name, cfg))
                 labels[name] = f"{variant} seed {seed}" + (f" {point}" if point else "")
                 points[point].append(name)
+    check_shared_taken(base, shared, took, names)
     return Comparison(cells, labels, points, out_dir, base_cfg.run.progress, partitions_text)
 
 
