@@ -43,7 +43,7 @@ NAMES = {"fedavg+rprop": "FedRetile (fedavg+rprop)", "qfedavg": "q-FFL (q = 2)"}
 def seed_runs(roots: list[Path], variant: str) -> list[Path]:
     found: dict[str, Path] = {}
     for root in roots:
-        for run in sorted(root.glob(f"{variant}-s*")):
+        for run in sorted(root.glob(f"{variant.replace('+', '_')}-s*")):  # compare names fedavg+rprop fedavg_rprop
             if (run / "metrics.jsonl").exists():
                 found.setdefault(run.name, run)
     return [found[name] for name in sorted(found)]
