@@ -235,7 +235,8 @@ def worker_pids(pid: int) -> list[int]:
 def test_a_dead_worker_fails_its_cell_only_and_ctrl_c_stops_every_worker(tmp_path):
     cfg = write_config(tmp_path, 'variants = ["fedavg", "fedprox", "fedavg+fedavgm"]\n')
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "fedhet.cli", "compare", "-c", str(cfg), "-o", str(out), "-r", "1000"]
+    rounds = "100000"  # more than any cell can finish before the Ctrl-C below, however idle the machine
+    command = [sys.executable, "-m", "fedhet.cli", "compare", "-c", str(cfg), "-o", str(out), "-r", rounds]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen(
         [*command, "--jobs", "2", "--threads", "1"],
@@ -269,7 +270,7 @@ def test_a_dead_worker_fails_its_cell_only_and_ctrl_c_stops_every_worker(tmp_pat
     assert [(c / "metrics.jsonl").stat().st_size for c in cells] == sizes  # no worker trains on
     dry = subprocess.run([*command, "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
     assert dry.returncode == 0 and dry.stdout.count("resume: metrics to round") == 3, dry.stdout + dry.stderr
-    for cell in plan_comparison(cfg, ["run.rounds=1000", f"run.out_dir={str(out)!r}"]).cells:
+    for cell in plan_comparison(cfg, [f"run.rounds={rounds}", f"run.out_dir={str(out)!r}"]).cells:
         assert Simulation(cell.config).prepare_dir(resume=True, overwrite=False) >= 1  # a checkpoint to go on from
 
 
