@@ -106,8 +106,8 @@ class FedMTL(Algorithm):
 
     def configure(self, rnd: int, cids: list[int], phase: str) -> dict[int, Message]:
         base = self.global_message(rnd)
-        rows = self.omega[cids]
-        mixed = rows.to(self.models.dtype) @ self.models  # (Omega W^T)_k for each client, own term included
+        rows = self.omega[cids].to(self.models)  # Omega lives on the CPU in float64; the models may be on a GPU
+        mixed = rows @ self.models  # (Omega W^T)_k for each client, own term included
         out = {}
         for i, cid in enumerate(cids):
             own = float(self.omega[cid, cid])
