@@ -57,6 +57,21 @@ def test_archive_replaces_a_shorter_copy_and_refuses_another_config(tmp_path):
         archive.archive(runs, dest)
 
 
+def test_archive_partial_keeps_unfinished_cells_by_their_logged_rounds(tmp_path):
+    archive = load(REPRODUCE / "archive.py")
+    runs, dest = tmp_path / "runs", tmp_path / "results"
+    make_run(dest / "a" / "fedrane-s0", "finished", 5, 0.5)  # an earlier, shorter finished copy
+    killed = make_run(runs / "a" / "fedrane-s0", "stopped", 9, 0.6)
+    (killed / "summary.json").unlink()  # killed at a deadline: no summary written
+    make_run(runs / "a" / "fedavg-s0", "stopped", 3, 0.4)
+    assert archive.archive(runs, dest) == []  # finished cells only by default
+    assert archive.archive(runs, dest, partial=True) == ["a/fedavg-s0", "a/fedrane-s0"]
+    kept = dest / "a" / "fedrane-s0"
+    assert archive.rounds_done(kept) == 9
+    assert not (kept / "summary.json").exists()  # the 5-round copy's summary would contradict the metrics
+    assert archive.archive(runs, dest, partial=True) == []
+
+
 def test_fedacd_tables_read_archived_cells_beside_runs(tmp_path):
     runs, results = tmp_path / "runs", tmp_path / "results"
     make_run(runs / "alpha0.1" / "fedavg-s0", "finished", 2, 0.70)

@@ -9,6 +9,9 @@ should not have to run again just to print a table. For every run folder under R
 the same relative place under DEST. A cell already in DEST is replaced only when the new copy has more rounds, and
 never when its config differs (that is a different experiment: the script stops with the cell's name). The tables
 scripts read DEST beside RUNS_DIR.
+
+``--partial`` also keeps cells that did not finish (stopped at a deadline, killed): their metrics.jsonl is a true
+record up to its last round, which is what counts as their rounds; a table must then say each cell's round.
 """
 
 from __future__ import annotations
@@ -37,13 +40,20 @@ def comparable_config(run: Path) -> dict:
     return config
 
 
+def logged_runs(root: Path) -> list[Path]:
+    """Every run folder with metrics, finished or not."""
+    return sorted(m.parent for m in root.rglob("metrics.jsonl") if (m.parent / "config.json").exists())
+
+
 def rounds_done(run: Path) -> int:
-    return int(json.loads((run / "summary.json").read_text())["rounds_done"])
+    """The last round the run's metrics logged (a killed run has no summary to ask)."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return int(json.loads(lines[-1])["round"]) if lines else 0
 
 
-def archive(root: Path, dest: Path) -> list[str]:
+def archive(root: Path, dest: Path, partial: bool = False) -> list[str]:
     copied = []
-    for run in finished_runs(root):
+    for run in logged_runs(root) if partial else finished_runs(root):
         target = dest / run.relative_to(root)
         if (target / "config.json").exists():
             if comparable_config(target) != comparable_config(run):
@@ -54,6 +64,8 @@ def archive(root: Path, dest: Path) -> list[str]:
         for name in FILES:
             if (run / name).exists():
                 shutil.copy2(run / name, target / name)
+            else:  # a partial copy replacing a shorter one must not keep the old copy's summary
+                (target / name).unlink(missing_ok=True)
         copied.append(str(run.relative_to(root)))
     return copied
 
@@ -62,8 +74,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", type=Path)
     parser.add_argument("dest", type=Path)
+    parser.add_argument("--partial", action="store_true", help="also keep cells that did not finish")
     args = parser.parse_args()
-    copied = archive(args.root, args.dest)
+    copied = archive(args.root, args.dest, args.partial)
     print(f"archived {len(copied)} cell(s) into {args.dest}" + "".join(f"\n  {c}" for c in copied))
 
 

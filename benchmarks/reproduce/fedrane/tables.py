@@ -8,6 +8,8 @@ a seed found in several is read from the first. A cell is the mean over the seed
 last round every run present has reached, so all cells compare the same budget); a cell no run reached is "—", and
 one more than 1.5 points from the paper is marked "!" (docs/reproductions/fedrane.md gives the cause we found).
 ``--best`` reports the best value over rounds 1..R instead, which is what PFLlib (FedRANE's code base) prints.
+``--last`` reports each cell at its own last round instead and names it (cells stopped at a deadline, archived with
+``archive.py --partial``, have different rounds).
 
 G-FL is test_acc (the global model on the official test set); P-FL is personal_acc_micro (each client's personalised
 model on its 25% local test split, summed over clients as FedRANE's code does).
@@ -93,16 +95,22 @@ def value_at(run: Run, metric: str, rnd: int, best: bool = False) -> float | Non
     return max(v for _, v in values) if best else values[-1][1]
 
 
-def cell(runs: list[Run], metric: str, rnd: int, ref: float, best: bool) -> list[str]:
-    values = [v for v in (value_at(r, metric, rnd, best) for r in runs) if v is not None]
-    if not values:
+def cell(runs: list[Run], metric: str, rnd: int | None, ref: float, best: bool) -> list[str]:
+    """Ours, the paper's and the gap; ``rnd`` None: each run at its own last round, named in the cell."""
+    at = {id(r): rnd or r.last_round for r in runs}
+    hits = [(v, at[id(r)]) for r in runs if (v := value_at(r, metric, at[id(r)], best)) is not None]
+    if not hits:
         return ["—", f"{ref:.2f}", ""]
+    values = [v for v, _ in hits]
     ours, gap = statistics.fmean(values), statistics.fmean(values) - ref
     seeds = "" if len(values) == 1 else f" ({len(values)} seeds)"
+    if rnd is None:
+        first, last = min(r for _, r in hits), max(r for _, r in hits)
+        seeds += f" R{first}" if first == last else f" R{first}-{last}"
     return [f"{ours:.2f}{seeds}", f"{ref:.2f}", f"{gap:+.2f}" + (" !" if abs(gap) > FLAG else "")]
 
 
-def table(roots: list[Path], metric: str, paper: dict, rnd: int, best: bool) -> str:
+def table(roots: list[Path], metric: str, paper: dict, rnd: int | None, best: bool) -> str:
     head = "| method | " + " | ".join(f"α={a} ours | α={a} paper | gap" for a in ALPHAS) + " |"
     lines = [head, "|:---|" + "---:|" * (3 * len(ALPHAS))]
     for method, refs in paper.items():
@@ -118,12 +126,18 @@ def main() -> None:
     parser.add_argument("roots", nargs="*", type=Path, default=[Path("runs/reproduce/fedrane-fmnist"), RESULTS])
     parser.add_argument("--round", type=int, default=None, help="report this round (default: the common last one)")
     parser.add_argument("--best", action="store_true", help="best value over rounds 1..R instead of round R's")
+    parser.add_argument("--last", action="store_true", help="each cell at its own last round (named in the cell)")
     args = parser.parse_args()
+    if args.last and args.round:
+        parser.error("--last and --round exclude each other")
     runs = [r for a in ALPHAS for m in NAMES for r in runs_of(args.roots, a, m)]
     if not runs:
         raise SystemExit(f"no runs under {', '.join(map(str, args.roots))}: run benchmarks/reproduce/fedrane/run.sh")
-    rnd = args.round or min(r.last_round for r in runs)
-    what = f"best over rounds 1-{rnd}" if args.best else f"at round {rnd}"
+    rnd = None if args.last else args.round or min(r.last_round for r in runs)
+    if rnd is None:
+        what = "best over rounds 1-R" if args.best else "at round R"
+    else:
+        what = f"best over rounds 1-{rnd}" if args.best else f"at round {rnd}"
     seeds = sorted({r.config["run"]["seed"] for r in runs})
     print(f"Ours {what} (seeds {seeds}; one seed unless a cell says more) beside the paper's (5 runs, ~100 rounds).\n")
     for title, metric, paper in TABLES:
