@@ -29,8 +29,12 @@ Defaults and references (official ``jhoon-oh/FedBABU``; ``TsingZ0/PFLlib`` clien
 base of FedRANE's experiments):
 
 * ``finetune_epochs = 5``: the official ``personalization_epoch = 5``; PFLlib's ``--fine_tuning_epochs`` default is 10.
-* ``finetune_lr = None`` (the round's training lr): PFLlib fine-tunes with the client's training optimiser; the
-  official notebook uses lr 1e-3 after training at 0.1 (set ``finetune_lr = 0.001`` for that).
+* ``finetune_lr = None`` (the round's training lr): PFLlib fine-tunes with the client's training optimiser (plain
+  SGD); the official notebook uses lr 1e-3 after training at 0.1 (set ``finetune_lr = 0.001`` for that). With
+  momentum, the training lr is often too large here: under the frozen random head the body's features grow (norm ~100
+  on Fashion-MNIST's CNN by round 3), the unfrozen head's gradient grows with them, and fine-tuning at lr 0.01 with
+  momentum 0.9 overshoots and gets worse as training goes on (FedRANE's reproduction: P-FL 84 -> 32 % in rounds
+  1-6). 0.001 with momentum 0.9 takes about PFLlib's plain-SGD step at 0.01.
 * Aggregation weights by client samples (PFLlib); the official code averages uniformly (``weighting = "uniform"``).
 * PFLlib fine-tunes once, after the last round; the official notebook fine-tunes the best model. Here every
   evaluation round fine-tunes a fresh copy of the current global model for each evaluated client (the engine's
