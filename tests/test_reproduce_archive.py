@@ -83,3 +83,20 @@ def test_fedacd_tables_read_archived_cells_beside_runs(tmp_path):
     ).stdout
     fedavg = next(line for line in out.splitlines() if line.startswith("| FedAvg |"))
     assert "| 75.00 ± 7.07 (2 seeds) |" in fedavg
+
+
+def test_fedrane_tables_last_names_each_cells_own_round(tmp_path):
+    runs = tmp_path / "runs"
+    for method, rounds in (("fedavg", 100), ("fedrane", 24)):
+        folder = make_run(runs / "alpha0.5" / f"{method}-s0", "finished", rounds, 0.9)
+        config = json.loads((folder / "config.json").read_text())
+        config["run"]["seed"] = 0
+        (folder / "config.json").write_text(json.dumps(config))
+    script = REPRODUCE / "fedrane" / "tables.py"
+    last = subprocess.run(
+        [sys.executable, str(script), str(runs), "--last"], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert "| 90.00 R100 | 86.85 | +3.15 ! |" in next(line for line in last if line.startswith("| FedAvg |"))
+    assert "| 90.00 R24 | 91.35 | -1.35 |" in next(line for line in last if line.startswith("| FedRANE |"))
+    common = subprocess.run([sys.executable, str(script), str(runs)], capture_output=True, text=True, check=True)
+    assert "at round 24" in common.stdout  # without --last: the round every cell has reached
