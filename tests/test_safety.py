@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import io
 import json
 import math
@@ -15,6 +16,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+import fedhet
 from fedhet.cli import app
 from fedhet.config import saved_run_config
 from fedhet.engine import checkpoint, simulation
@@ -397,3 +399,6 @@ def test_the_run_folder_records_where_the_data_came_from(tiny_config):
     assert info["data"]["dataset"] == "digits" and "load_digits" in info["data"]["source"]
     assert len(info["data"]["sha256"]) == 64 and info["data"]["sha256"] == sim.fed.provenance["sha256"]
     assert info["torch"] == torch.__version__ and info["resumes"] == []
+    # from fedhet itself, not the install's metadata (a source checkout on PYTHONPATH has none), which pyproject.toml
+    # reads from the same place
+    assert info["fedhet"] == fedhet.__version__ == importlib.metadata.version("fedhet")

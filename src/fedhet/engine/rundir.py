@@ -57,13 +57,13 @@ def remove_run_dir(folder: Path) -> None:
 def environment() -> dict[str, Any]:
     """What can change a run's last bits or explain a difference: versions and platform (the simulation adds the
     thread count its clients train with)."""
-    from importlib.metadata import version
-
     import numpy as np
     import torch
 
+    from fedhet import __version__  # not importlib.metadata: a source checkout on PYTHONPATH has no metadata
+
     return {
-        "fedhet": version("fedhet"),
+        "fedhet": __version__,
         "torch": torch.__version__,
         "numpy": np.__version__,
         "python": platform.python_version(),
