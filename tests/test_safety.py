@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 import fedhet
 from fedhet.cli import app
 from fedhet.config import saved_run_config
-from fedhet.engine import checkpoint, simulation
+from fedhet.engine import checkpoint, rundir, simulation
 from fedhet.engine.checkpoint import CheckpointError, read_checkpoint
 from fedhet.engine.simulation import Simulation
 from fedhet.errors import ConfigError, RunFailed
@@ -402,3 +402,25 @@ def test_the_run_folder_records_where_the_data_came_from(tiny_config):
     # from fedhet itself, not the install's metadata (a source checkout on PYTHONPATH has none), which pyproject.toml
     # reads from the same place
     assert info["fedhet"] == fedhet.__version__ == importlib.metadata.version("fedhet")
+
+
+def test_the_processor_is_recorded_and_a_resume_elsewhere_warned_about(tiny_config, capsys, monkeypatch):
+    cfg = tiny_config(run={"name": "cpu", "rounds": 2})
+    sim = Simulation(cfg)
+    sim.run(stop_after=1)
+    first = json.loads((sim.run_dir / "provenance.json").read_text())
+    assert first["cpu"] and first["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    real = rundir.environment
+    monkeypatch.setattr(simulation, "environment", lambda: {**real(), "cpu_capability": "ELSEWHERE"})
+    Simulation(cfg).run(resume=True)
+    err = capsys.readouterr().err
+    assert f"another machine or software (cpu_capability: {first['cpu_capability']} -> ELSEWHERE)" in err
+    resumes = json.loads((sim.run_dir / "provenance.json").read_text())["resumes"]
+    assert [(r["round"], r["cpu_capability"]) for r in resumes] == [(1, "ELSEWHERE")]
+
+
+def test_a_resume_on_the_same_machine_warns_of_nothing(tiny_config, capsys):
+    cfg = tiny_config(run={"name": "same", "rounds": 2})
+    Simulation(cfg).run(stop_after=1)
+    Simulation(cfg).run(resume=True)
+    assert "another machine" not in capsys.readouterr().err

@@ -68,5 +68,29 @@ def environment() -> dict[str, Any]:
         "numpy": np.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        # the processor and the kernels torch picked for it: the same code and seed on another CPU type (AVX2 vs
+        # AVX-512) rounds differently, and adversarial or oscillating methods grow that to points within rounds
+        "cpu": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+# what changes a run's floats when it continues elsewhere (the thread count is checked from the checkpoint)
+BIT_RELEVANT = ("torch", "cpu", "cpu_capability")
+
+
+def cpu_model() -> str:
+    """The processor's model name (Linux /proc/cpuinfo), else what the platform module says, else 'unknown'."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment_changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """'key: old -> new' for each bit-relevant entry recorded in both that differs."""
+    return [f"{k}: {before[k]} -> {now[k]}" for k in BIT_RELEVANT if k in before and k in now and before[k] != now[k]]

@@ -39,6 +39,7 @@ from fedhet.engine.local import derive_seed
 from fedhet.engine.rundir import (
     check_run_flags,
     environment,
+    environment_changes,
     holds_run,
     make_out_dir,
     remove_run_dir,
@@ -686,6 +687,13 @@ class Simulation:
             info = {**now, "data": self.fed.provenance, "resumes": []}
         else:
             info = read_json(path)
+            last = (info.get("resumes") or [info])[-1]  # where the run trained until now
+            changes = environment_changes(last, now)
+            if changes:
+                self.warn(
+                    f"this run continues on another machine or software ({'; '.join(changes)}): floats round "
+                    "differently there, so it will not match an uninterrupted run bit for bit"
+                )
             info.setdefault("resumes", []).append({"round": resumed_at, **now})
         write_json_atomic(path, info)
 
