@@ -55,8 +55,8 @@ def remove_run_dir(folder: Path) -> None:
 
 
 def environment() -> dict[str, Any]:
-    """What can change a run's last bits or explain a difference: versions and platform (the simulation adds the
-    thread count its clients train with)."""
+    """What can change a run's last bits or explain a difference: versions, platform and processor (the simulation
+    adds the thread count its clients train with)."""
     import numpy as np
     import torch
 
