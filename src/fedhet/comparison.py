@@ -134,13 +134,18 @@ def parse_variant(text: str) -> tuple[str, str | None]:
 VARIANT_SECTIONS = ("algorithm", "server")
 
 
+def fixed_fields(section: str) -> set[str]:
+    """A variant section's own fields (``name``, ``server.aggregation``, ...), as opposed to its component's."""
+    from fedhet.config import AlgorithmSection, ServerSection
+
+    return set((AlgorithmSection if section == "algorithm" else ServerSection).model_fields)
+
+
 def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, dict[str, Any]]]:
     """``-s`` items for the base setting, and those that set an algorithm's or server optimiser's hyper-parameter:
     those apply last, to every variant whose component takes them (``-s algorithm.mu=0.1`` sets FedProx's mu in a
     comparison of FedAvg and FedProx). A section's fixed fields (``server.aggregation``) stay with the base."""
-    from fedhet.config import AlgorithmSection, ServerSection
-
-    fixed = {"algorithm": set(AlgorithmSection.model_fields), "server": set(ServerSection.model_fields)}
+    fixed = {section: fixed_fields(section) for section in VARIANT_SECTIONS}
     base: list[str] = []
     shared: dict[str, dict[str, Any]] = {section: {} for section in VARIANT_SECTIONS}
     for item in overrides:
@@ -176,9 +181,7 @@ def variant_section(
     """One variant's algorithm or server section: the component's name, the base section's fixed fields, the base
     section's hyper-parameters the component takes, then its own ``[compare.params]`` entry, then the ``-s`` ones it
     takes. Returns the section and the shared keys it took."""
-    from fedhet.config import AlgorithmSection, ServerSection
-
-    fixed = set((AlgorithmSection if section == "algorithm" else ServerSection).model_fields) - {"name"}
+    fixed = fixed_fields(section) - {"name"}
     raw = base.get(section)
     raw = raw if isinstance(raw, dict) else {}  # anything else is refused by build_config
     from_base = {k: v for k, v in raw.items() if k not in fixed and k != "name" and takes(section, name, k)}
