@@ -15,6 +15,7 @@ are left out. Prints markdown.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 from pathlib import Path
 
@@ -49,8 +50,14 @@ def seed_runs(roots: list[Path], variant: str) -> list[Path]:
     return [found[name] for name in sorted(found)]
 
 
+@functools.cache
+def records(run: Path) -> list[dict]:
+    """A run's metrics, read once (every cell of a row asks)."""
+    return read_metrics(run / "metrics.jsonl")
+
+
 def at(run: Path, metric: str, rnd: int) -> float | None:
-    for record in read_metrics(run / "metrics.jsonl"):
+    for record in records(run):
         if record["round"] == rnd and record.get(metric) is not None:
             return 100.0 * float(record[metric])
     return None
@@ -58,10 +65,10 @@ def at(run: Path, metric: str, rnd: int) -> float | None:
 
 def tail_mean(run: Path, metric: str, last: int, count: int = 5) -> float | None:
     """Mean of ``metric`` over the run's last ``count`` evaluations up to round ``last`` (the curves are noisy)."""
-    records = read_metrics(run / "metrics.jsonl")
-    if not any(r["round"] == last for r in records):
+    rows = records(run)
+    if not any(r["round"] == last for r in rows):
         return None  # the run has not reached the round yet
-    values = [100.0 * r[metric] for r in records if r.get(metric) is not None and r["round"] <= last]
+    values = [100.0 * r[metric] for r in rows if r.get(metric) is not None and r["round"] <= last]
     return statistics.fmean(values[-count:]) if len(values) >= count else None
 
 
