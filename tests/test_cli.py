@@ -94,6 +94,23 @@ def test_run_then_report(tmp_path):
     assert "| fedavg | 1 |" in (tmp_path / "t.md").read_text()
 
 
+def test_threads_option_sets_what_the_run_trains_with_and_records(tmp_path):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        for threads, args in ((1, ["run", *TINY]), (2, ["resume", str(tmp_path / "t"), "-r", "3"])):
+            if args[0] == "run":
+                args += ["-o", str(tmp_path), "--name", "t"]
+            result = runner.invoke(app, [*args, "--threads", str(threads)])
+            assert result.exit_code == 0, result.output
+            provenance = json.loads((tmp_path / "t" / "provenance.json").read_text())
+            assert (provenance["resumes"] or [provenance])[-1]["torch_threads"] == threads
+        assert "now train with 2" in result.output  # the resume says its sums will not match bit for bit
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_partition_command_prints_counts_and_plots(tmp_path):
     plot = tmp_path / "split.png"
     result = runner.invoke(

@@ -26,10 +26,12 @@ from fedhet.cli_shared import (
     SeedOpt,
     ServerOpt,
     SetOpt,
+    ThreadsOpt,
     console,
     err_console,
     interrupted,
     print_final,
+    set_threads,
     shortcuts,
 )
 from fedhet.errors import ConfigError, FedhetError, Interrupted, RunFailed
@@ -62,11 +64,13 @@ def run(
     plugin: PluginOpt = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's last checkpoint.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run folder.")] = False,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Train one algorithm on one federated setting; writes a run folder (config, metrics, checkpoints)."""
     from fedhet.engine.rundir import check_run_flags
 
     check_run_flags(resume, overwrite)
+    set_threads(threads)
     cfg = api.make_config(
         config,
         set_,
@@ -88,8 +92,10 @@ def resume(
         list[str] | None,
         typer.Option("--plugin", help="Replace the run's plug-ins (run.plugins), e.g. where their files moved."),
     ] = None,
+    threads: ThreadsOpt = None,
 ) -> None:
     """Continue a killed run (or extend a finished one) from its folder alone, with the config saved in it."""
+    set_threads(threads)
     with interrupted(f"the last checkpoint is kept; continue with: fedhet resume {run_dir}"):
         result = api.resume(run_dir, rounds, set_ or (), plugins=plugin, console=err_console)
     print_final(result.summary, result.run_dir)

@@ -46,6 +46,10 @@ SeedOpt = Annotated[int | None, typer.Option("--seed")]
 OutOpt = Annotated[str | None, typer.Option("--out", "-o", help="Parent folder of run folders (run.out_dir).")]
 NameOpt = Annotated[str | None, typer.Option("--name", help="The run's folder name (run.name).")]
 DataDirOpt = Annotated[str | None, typer.Option("--data-dir")]
+ThreadsOpt = Annotated[
+    int | None,
+    typer.Option("--threads", min=1, help="Torch threads to train with (default: torch's own, one per usable core)."),
+]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show the libraries' own logs and warnings (Flower, Ray).")]
 
 # The config shortcuts of every command that runs a config (run, compare, flower simulate, flower app)
@@ -67,6 +71,15 @@ SHORTCUTS = (
 def shortcuts(values: dict[str, Any]) -> dict[str, Any]:
     """The shortcut options among a command's arguments (its ``locals()``), as ``api.make_config`` takes them."""
     return {key: values[key] for key in SHORTCUTS}
+
+
+def set_threads(threads: int | None) -> None:
+    """``--threads``: torch's intra-op threads for this process; provenance.json records the count a run trains with
+    (float sums differ in the last bits with it, so a resume warns when it changes)."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 @contextmanager

@@ -631,7 +631,8 @@ class Simulation:
             self.warn(
                 f"this run's clients trained with {before} torch thread(s) and now train with {now}: float sums "
                 "then differ in the last bits, so it will not match an uninterrupted run bit for bit (match it with "
-                f"OMP_NUM_THREADS={before} or fedhet compare --threads {before}; run.workers >= 2 trains with one)"
+                f"--threads {before} on fedhet run, resume and compare, or OMP_NUM_THREADS={before}; run.workers >= 2 "
+                "trains with one)"
             )
 
     # ------------------------------------------------------------------ the run folder
