@@ -185,6 +185,23 @@ def test_summary_table_mean_and_std_over_seeds(tmp_path):
     assert "82.00 ± 2.00" in text and "fedavg" in text
 
 
+def test_a_narrow_console_folds_long_labels_and_keeps_every_number_whole(tmp_path):
+    for variant, on in enumerate((False, True)):
+        algo = {"name": "fedrane", "lambda_cd": 0.2 * on, "self_loop": on, "lra_at_eval": on, "topk": 10 + on}
+        for seed in range(3):
+            accs = [0.5, 0.7 + seed * 0.01 + variant / 10]
+            make_run(tmp_path, f"v{variant}s{seed}", algo, seed, accs, client_acc_worst10=[None, 0.4])
+    rows = summary_table(group_runs(load_runs([tmp_path])))
+    console = Console(record=True, width=60)
+    print_table(rows, console)
+    text = console.export_text()
+    assert "71.00 ± 1.00" in text and "81.00 ± 1.00" in text and "…" not in text
+    assert "| 2 |" in to_markdown(rows)  # the last column (rounds), which a too-narrow console must not crop
+    assert text.count(" 2 │\n") == 2
+    assert "fedrane lambda_cd=0.2 self_loop=true " in text and " lra_at_eval=true topk=11 " in text  # wrapped
+    assert "test_acc" in text and "rounds" in text  # headers wrap between words, never inside one
+
+
 def test_single_seed_has_no_std_and_loss_best_is_minimum(tmp_path):
     make_run(tmp_path, "only", {"name": "fedavg"}, 0, [0.5, 0.6], test_loss=[2.0, 1.5])
     groups = group_runs(load_runs([tmp_path]))

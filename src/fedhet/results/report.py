@@ -333,14 +333,17 @@ def fmt(value: float | None, std: float | None = None, *, metric: str) -> str:
 def print_table(rows: list[Row], console: Console | None = None, title: str | None = None) -> None:
     header, cells = table_cells(rows)
     table = Table(title=title)
-    label_width = max([len(line[0]) for line in cells] + [12])  # labels are what a reader scans: never cut them
-    for i, name in enumerate(header):
-        table.add_column(
-            name, justify="left" if i == 0 else "right", no_wrap=True, min_width=label_width if i == 0 else None
-        )
+    # Nothing is cut where the console is narrow: a number and each word of its header keep their full width (the
+    # header wraps between words), a long label wraps onto more lines instead of squeezing the numbers out, and a
+    # table still too wide is printed wider than the console rather than cropped.
+    labels = max([len(line[0]) for line in cells] + [12])
+    table.add_column(header[0], justify="left", overflow="fold", min_width=min(labels, 40))
+    for i, name in enumerate(header[1:], start=1):
+        widest = max([len(line[i]) for line in cells] + [len(word) for word in name.split()])
+        table.add_column(name, justify="right", overflow="fold", min_width=widest)
     for line in cells:
         table.add_row(*line)
-    (console or Console()).print(table)
+    (console or Console()).print(table, crop=False)
 
 
 def to_markdown(rows: list[Row]) -> str:
