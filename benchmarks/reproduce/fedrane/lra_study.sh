@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Why FedRANE trails FedAvg at the shared lr (docs/reproductions/fedrane.md, "What slows FedRANE"): the protocol of
+# fmnist.toml at alpha 0.5 on a class-stratified 20% of the training set, 5 rounds, one torch thread per run, one
+# run at a time. Rerunning skips finished runs. Results: runs/reproduce/fedrane-lra-study/<name> and the table at the
+# end; the doc's runs are archived in benchmarks/reproduce/fedrane/results-lra-study/ (fedhet report reads them).
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+out=${OUT:-runs/reproduce/fedrane-lra-study}
+common=(-c benchmarks/reproduce/fedrane/fmnist.toml --threads 1 -r 5 -s dataset.train_fraction=0.2
+  -s partition.min_size=34 -o "$out")  # min_size: the official 171 scaled to the 20% subset
+cell() {
+  local name=$1; shift
+  [[ -f $out/$name/summary.json ]] && return
+  "${FEDHET:-.venv/bin/fedhet}" run "${common[@]}" --name "$name" "$@"
+}
+cell avg-h0 -a fedavg                                     # the official CNNModel: FedRANE's LRA on 1568-d z
+cell avg-h64 -a fedavg -s model.hidden=64                 # the paper's "d = 64": an FC 1568 -> 64 embedding
+cell avg-h0-lr05-m0 -a fedavg -s train.lr=0.5 -s train.momentum=0 -r 2   # the paper's lr, plain SGD
+cell avg-h64-lr05-m0 -a fedavg -s model.hidden=64 -s train.lr=0.5 -s train.momentum=0
+cell rane-h0 -a fedrane
+cell wogne-h0 -a fedrane_wo_gne
+cell rane-h0-nocd -a fedrane -s algorithm.lambda_cd=0     # LRA without the CD loss
+cell rane-h0-selfloop -a fedrane -s algorithm.self_loop=true
+cell rane-h0-noeval -a fedrane -s algorithm.lra_at_eval=false   # the official evaluation: the predictor reads z
+cell rane-h64 -a fedrane -s model.hidden=64
+cell rane-h64-lr005-m09 -a fedrane -s model.hidden=64 -s train.lr=0.05
+cell rane-h64-lr05-m0 -a fedrane -s model.hidden=64 -s train.lr=0.5 -s train.momentum=0
+"${FEDHET:-.venv/bin/fedhet}" report "$out"
