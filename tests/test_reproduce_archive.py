@@ -42,6 +42,10 @@ def test_archive_copies_finished_cells_without_checkpoints(tmp_path):
     assert sorted(p.name for p in kept.iterdir()) == ["config.json", "metrics.jsonl", "summary.json"]
     assert not (dest / "alpha0.1" / "fedacd-s0").exists()
     assert archive.archive(runs, dest) == []  # nothing newer: left alone
+    dynamic = make_run(runs / "dynamic" / "fedufo-s0", "finished", 2, 0.3)
+    (dynamic / "sampling.jsonl").write_text('{"round": 1, "worst": [3], "random": [5]}\n')
+    assert archive.archive(runs, dest) == ["dynamic/fedufo-s0"]
+    assert (dest / "dynamic" / "fedufo-s0" / "sampling.jsonl").read_text().startswith('{"round": 1')
 
 
 def test_archive_replaces_a_shorter_copy_and_refuses_another_config(tmp_path):

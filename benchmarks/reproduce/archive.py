@@ -5,10 +5,10 @@
 
 Run folders live under runs/, which git ignores, and a new machine starts without them; a cell that took an hour
 should not have to run again just to print a table. For every run folder under RUNS_DIR whose summary.json says
-"finished", this copies config.json, metrics.jsonl, summary.json and provenance.json (a few kB; no checkpoints) to
-the same relative place under DEST. A cell already in DEST is replaced only when the new copy has more rounds, and
-never when its config differs (that is a different experiment: the script stops with the cell's name). The tables
-scripts read DEST beside RUNS_DIR.
+"finished", this copies config.json, metrics.jsonl, summary.json, provenance.json and, where dynamic sampling
+wrote one, sampling.jsonl (a few kB; no checkpoints) to the same relative place under DEST. A cell already in DEST
+is replaced only when the new copy has more rounds, and never when its config differs (that is a different
+experiment: the script stops with the cell's name). The tables scripts read DEST beside RUNS_DIR.
 
 ``--partial`` also keeps cells that did not finish (stopped at a deadline, killed): their metrics.jsonl is a true
 record up to its last round, which is what counts as their rounds; a table must then say each cell's round.
@@ -21,7 +21,7 @@ import json
 import shutil
 from pathlib import Path
 
-FILES = ("config.json", "metrics.jsonl", "summary.json", "provenance.json")
+FILES = ("config.json", "metrics.jsonl", "summary.json", "provenance.json", "sampling.jsonl")
 
 
 def finished_runs(root: Path) -> list[Path]:
