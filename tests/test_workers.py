@@ -68,8 +68,15 @@ def test_three_workers_resume_bit_exact_with_client_state(tiny_config, kill_and_
     torch.testing.assert_close(reference.algo.global_params, resumed.algo.global_params, rtol=0, atol=0)
 
 
-def test_a_dead_worker_is_a_failed_client_and_is_replaced(tiny_config, monkeypatch):
-    sim = Simulation(config(tiny_config, "fedavg", "killed", workers=2, rounds=3))
+def reset_by_peer() -> None:
+    raise ConnectionResetError(104, "Connection reset by peer")
+
+
+@pytest.mark.parametrize("reads_as", ["eof", "reset"])
+def test_a_dead_worker_is_a_failed_client_and_is_replaced(tiny_config, monkeypatch, reads_as):
+    """A dead worker's pipe reads as EOF, or, when it died with bytes unread in its socket (CI saw it under load),
+    as a reset connection: either way its client fails and a new worker takes its place."""
+    sim = Simulation(config(tiny_config, "fedavg", f"killed-{reads_as}", workers=2, rounds=3))
     real_wait, killed = workers.wait, []
 
     def wait_and_kill(objects):
@@ -77,6 +84,8 @@ def test_a_dead_worker_is_a_failed_client_and_is_replaced(tiny_config, monkeypat
             proc = sim.executor.pool.procs[0]
             os.kill(proc.pid, signal.SIGKILL)
             killed.append(proc.pid)
+            if reads_as == "reset":
+                monkeypatch.setattr(sim.executor.pool.conns[0], "recv", reset_by_peer)
         return real_wait(objects)
 
     monkeypatch.setattr(workers, "wait", wait_and_kill)

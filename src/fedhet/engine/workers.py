@@ -175,14 +175,15 @@ class WorkerPool:
                         if not self.procs[i].is_alive():  # died while idle: nothing was lost, replace it
                             self._start(i)
                         busy[i] = make_task(pending.pop())
-                        self.conns[i].send(busy[i])
+                        with contextlib.suppress(OSError):  # died since the check: its sentinel reports it below
+                            self.conns[i].send(busy[i])
                 ready = wait([self.conns[i] for i in busy] + [self.procs[i].sentinel for i in busy])
                 for i in list(busy):
                     if self.conns[i] in ready or self.conns[i].poll():
                         try:
                             answer = self.conns[i].recv()
-                        except EOFError:
-                            answer = None
+                        except (EOFError, OSError):  # a dead worker reads as EOF, or as a reset connection when
+                            answer = None  # it died with our task unread in its socket (seen under load)
                         if answer is not None:
                             busy.pop(i)
                             yield answer
