@@ -245,6 +245,9 @@ def test_a_dead_worker_fails_its_cell_only_and_ctrl_c_stops_every_worker(tmp_pat
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # its own process group, as a terminal's foreground job
+        # and Ctrl-C reaching it as it does a foreground job: a shell that starts the test suite in the background
+        # (`make test &`) leaves SIGINT ignored, and Python keeps an ignored SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     cells = [out / "fedavg-s0", out / "fedprox-s0", out / "fedavg_fedavgm-s0"]
 
