@@ -269,6 +269,56 @@ def test_the_lra_parameters_are_exchanged_and_averaged_by_sample_ratio_without_g
     torch.testing.assert_close(algo.global_params, 0.25 * a + 0.75 * b)
 
 
+# ------------------------------------------------------------------------------------------- official-code head
+def test_official_head_reads_unit_vectors_through_a_fixed_orthonormal_predictor():
+    algo, model, flat = make_fedrane(normalize=True, predictor="fixed", lambda_cd=0.2)
+    w = model.head.predictor.weight
+    assert "head.predictor.weight" not in dict(model.named_parameters())  # a buffer: never trained or averaged
+    torch.testing.assert_close(w @ w.T, torch.eye(C), atol=1e-6, rtol=0)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(13))
+    y = torch.arange(8) % C
+    ctx = context(algo, model, flat, ClientData(x, y, C), {})
+    with torch.no_grad():
+        z = model.body(x)
+        z = z / z.norm(dim=1, keepdim=True)
+        z_aug = model.head.lra(z)
+        z_aug = z_aug / z_aug.norm(dim=1, keepdim=True)
+        logits = z_aug @ w.T  # unit rows of W against unit z~: every logit is a cosine
+        assert float(logits.abs().max()) <= 1 + 1e-6
+        expected = F.cross_entropy(logits, y).item() + 0.2 * naive_cd(z, z_aug, 0.8, "pearson", False)
+        assert algo.local_loss(ctx, x, y).item() == pytest.approx(expected, rel=1e-5)
+    before = w.clone()
+    algo.client_update(context(algo, model, flat, ClientData(x, y, C), {}))
+    assert torch.equal(model.head.predictor.weight, before)
+
+
+def test_mse_prediction_loss_is_the_mean_squared_error_to_the_one_hot_label():
+    algo, model, flat = make_fedrane(normalize=True, predictor="fixed", pred_loss="mse", lambda_cd=0.0)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(14))
+    y = torch.tensor([0, 1, 2, 2, 1, 0])
+    ctx = context(algo, model, flat, ClientData(x, y, C), {})
+    with torch.no_grad():
+        logits = model(x).tolist()  # train mode: the whole batch's z~
+        naive = sum((logits[i][c] - float(c == int(y[i]))) ** 2 for i in range(6) for c in range(C)) / (6 * C)
+        assert algo.local_loss(ctx, x, y).item() == pytest.approx(naive, rel=1e-5)
+
+
+def test_without_lra_the_normalised_head_reads_the_unit_representation():
+    _, model, _ = make_fedrane("fedrane_wo_lra", normalize=True)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(15))
+    with torch.no_grad():
+        z = model.body(x)
+        torch.testing.assert_close(model(x), model.head.head(z / z.norm(dim=1, keepdim=True)))
+        assert not torch.allclose(model(x), model.head.head(z))  # the ReLU features are not unit vectors
+
+
+def test_a_fixed_predictor_cannot_have_two_layers(tiny_config):
+    from fedhet.engine.simulation import resolve_config
+
+    with pytest.raises(ConfigError, match="predictor_layers = 1"):
+        resolve_config(tiny_config(algorithm={"name": "fedrane", "predictor": "fixed", "predictor_layers": 2}))
+
+
 # ------------------------------------------------------------------------------------------- presets and config
 def test_presets_switch_off_one_component_each():
     wo_lra, model_wo_lra, _ = make_fedrane("fedrane_wo_lra")

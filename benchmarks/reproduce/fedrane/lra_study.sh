@@ -25,4 +25,13 @@ cell rane-h0-noeval -a fedrane -s algorithm.lra_at_eval=false   # the official e
 cell rane-h64 -a fedrane -s model.hidden=64
 cell rane-h64-lr005-m09 -a fedrane -s model.hidden=64 -s train.lr=0.05
 cell rane-h64-lr05-m0 -a fedrane -s model.hidden=64 -s train.lr=0.5 -s train.momentum=0
+# The official code's representation (algorithm.normalize, algorithm.predictor; fedrane.py): unit-norm z and z~ read by
+# SphereFed's fixed orthonormal predictor, cross-entropy as its train_raw; then its lr 0.5 (paper) with momentum 0.9
+# (official optimiser), and the same head without LRA (GNE, no CD) to separate LRA from the head.
+sphere=(-s algorithm.normalize=true -s algorithm.predictor=fixed)
+cell rane-sphere -a fedrane "${sphere[@]}"
+cell wolra-sphere -a fedrane_wo_lra "${sphere[@]}"
+cell rane-sphere-lr05 -a fedrane "${sphere[@]}" -s train.lr=0.5
+cell wolra-sphere-lr05 -a fedrane_wo_lra "${sphere[@]}" -s train.lr=0.5
+cell rane-sphere-mse -a fedrane "${sphere[@]}" -s algorithm.pred_loss=mse
 "${FEDHET:-.venv/bin/fedhet}" report "$out"

@@ -47,9 +47,11 @@ clients every round; momentum and weight decay are not given (the official code:
 Sources: the paper (papers/000_92eea7ebf6cf3cb5.txt), notes/fedrane.md (readings of what the paper leaves open),
 and the official code ``XeniaLLL/HyperFed_and_FedRANE-master`` (``clientFedRANE.py``, ``graph_generator.py``,
 ``graph_models.py``), read for the open details only. Where it differs from the paper we follow the paper; each
-difference that is a choice here is a config field whose comment names the official value. Not taken from the
-official code at all: its MSE loss, mixup term, SphereFed's fixed orthogonal predictor, the L2-normalised
-representations and its GAT attention; its one-shot EASE graph and symmetric cosine NT-Xent are options.
+difference that is a choice here is a config field whose comment names the official value. Options that give the
+official code's forms: its one-shot EASE graph, its symmetric cosine NT-Xent, its L2-normalised z and z~
+(``normalize``), SphereFed's fixed orthonormal predictor (``predictor = "fixed"``) and its MSE loss (``pred_loss``).
+Not taken: its mixup term (cross-entropy of the mixed samples' normalised features read as logits over the d
+feature coordinates, weighted 10) and its GAT attention.
 """
 
 from __future__ import annotations
@@ -62,10 +64,19 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from fedhet.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientContext, Reply, Setup
+from fedhet.algorithms.fednh import init_prototypes
 from fedhet.algorithms.gne import GNE
+from fedhet.algorithms.spherefed import SphereHead
 from fedhet.errors import ConfigError
 from fedhet.models.base import FedModel
-from fedhet.models.lra import LRASettings, Neighbourhood, RelationForm, attach_lra, contrastive_discrimination
+from fedhet.models.lra import (
+    LRASettings,
+    Neighbourhood,
+    Normalized,
+    RelationForm,
+    attach_lra,
+    contrastive_discrimination,
+)
 
 if TYPE_CHECKING:
     from fedhet.algorithms.server_opt import ServerOptimizer
@@ -81,6 +92,17 @@ class FedRANEConfig(AlgoConfig):
     # predictor depth, not given ("a multi-perception layer module"): 1 = the model's own Linear(d, C) head (the
     # official code's fc; notes' first proposal), 2 = Linear(d, d) -> ReLU -> that head (notes' second proposal)
     predictor_layers: Literal[1, 2] = 1
+    # ---- the official code's representation and predictor (not in the paper; notes 2.1 and 2.4)
+    # True: z is L2-normalised before LRA and z~ after it, so the predictor and the CD loss read unit vectors
+    # (official: F.normalize(base(x)) and F.normalize(gnn(z, A))); the paper normalises nothing
+    normalize: bool = False
+    # "learned": the model's own Linear(d, C) head, trained (paper); "fixed": SphereFed's classifier, orthonormal rows
+    # on the unit sphere, no bias, never trained, reading z~ / |z~| (official: the server's QR-orthogonal predictor
+    # with requires_grad = False)
+    predictor: Literal["learned", "fixed"] = "learned"
+    # "ce": Eq. 8's cross-entropy on predictor(z~) (official train_raw, unscaled); "mse": the mean over batch and
+    # classes of (predictor(z~) - onehot(y))^2 (official train_graph / train_sam, nn.MSELoss)
+    pred_loss: Literal["ce", "mse"] = "ce"
     # ---- contrastive discrimination (Eq. 7, 9)
     lambda_cd: float = Field(0.2, ge=0.0)  # lambda_CD = 0.2 (Sec. 4.1); official nce_reg default 0.1
     temperature: float = Field(0.8, gt=0.0, le=1.0)  # tau_1 = 0.8 (Sec. 4.1; official info_nce_temperature 0.8)
@@ -114,6 +136,8 @@ class FedRANEConfig(AlgoConfig):
     def _cd_needs_lra(self) -> FedRANEConfig:
         if self.lambda_cd > 0 and not self.lra:
             raise ValueError("lambda_cd > 0 needs lra = true (the CD loss compares z with z~); set lambda_cd = 0")
+        if self.predictor == "fixed" and self.predictor_layers != 1:
+            raise ValueError("predictor = 'fixed' is one fixed linear map; it needs predictor_layers = 1")
         return self
 
     def lra_settings(self) -> LRASettings:
@@ -145,11 +169,15 @@ class FedRANE(Algorithm):
 
     @classmethod
     def prepare_model(cls, config: FedRANEConfig, model: FedModel) -> FedModel:
+        d = model.embedding_dim
+        if config.predictor == "fixed":  # drawn from the run-seeded generator, a buffer that travels with the model
+            model.head = SphereHead(init_prototypes(model.num_classes, d))
         if config.predictor_layers == 2:
-            d = model.embedding_dim
             model.head = nn.Sequential(nn.Linear(d, d), nn.ReLU(), model.head)
         if config.lra:
-            attach_lra(model, config.lra_settings())
+            attach_lra(model, config.lra_settings(), config.normalize)
+        elif config.normalize:
+            model.head = Normalized(model.head)
         return model
 
     def __init__(self, config: FedRANEConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
@@ -171,15 +199,20 @@ class FedRANE(Algorithm):
     def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         z = ctx.model.body(x)
         if not self.config.lra:
-            return F.cross_entropy(ctx.model.head(z), y)
+            return self.prediction_loss(ctx.model.head(z), y)
         head = ctx.model.head
-        z_aug = head.lra(z)
-        loss = F.cross_entropy(head.predictor(z_aug), y)
+        z, z_aug = head.pair(z)
+        loss = self.prediction_loss(head.predictor(z_aug), y)
         if self.config.lambda_cd == 0:
             return loss
         cfg = self.config
         cd = contrastive_discrimination(z, z_aug, cfg.temperature, cfg.cd_similarity, cfg.cd_symmetric)
         return loss + cfg.lambda_cd * cd
+
+    def prediction_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.config.pred_loss == "mse":
+            return F.mse_loss(logits, F.one_hot(y, logits.shape[1]).to(logits.dtype))
+        return F.cross_entropy(logits, y)
 
     def after_local(self, ctx: ClientContext) -> Reply:
         reply = super().after_local(ctx)

@@ -192,21 +192,41 @@ class LRA(nn.Module):
 
 
 class LRAHead(nn.Module):
-    """``predictor(lra(z))``: what replaces a FedModel's head, so ``FedModel.forward`` predicts from z~."""
+    """``predictor(lra(z))``: what replaces a FedModel's head, so ``FedModel.forward`` predicts from z~. With
+    ``normalize`` (the official code's representation), z is L2-normalised before LRA and z~ after it."""
 
-    def __init__(self, lra: LRA, predictor: nn.Module) -> None:
+    def __init__(self, lra: LRA, predictor: nn.Module, normalize: bool = False) -> None:
         super().__init__()
         self.lra = lra
         self.predictor = predictor
+        self.normalize = normalize
+
+    def pair(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        """(z, z~) as the predictor and the CD loss see them."""
+        if self.normalize:
+            z = F.normalize(z, dim=1)
+        z_aug = self.lra(z)
+        return z, F.normalize(z_aug, dim=1) if self.normalize else z_aug
 
     def forward(self, z: Tensor) -> Tensor:
-        return self.predictor(self.lra(z))
+        return self.predictor(self.pair(z)[1])
 
 
-def attach_lra(model: FedModel, settings: LRASettings) -> FedModel:
+class Normalized(nn.Module):
+    """``head(z / |z|)``: a head that reads the L2-normalised representation (FedRANE-w/o-LRA, official form)."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, z: Tensor) -> Tensor:
+        return self.head(F.normalize(z, dim=1))
+
+
+def attach_lra(model: FedModel, settings: LRASettings, normalize: bool = False) -> FedModel:
     """Put LRA between ``model``'s body and its head (which becomes the predictor), and record the model's fixed
     evaluation batch when LRA runs at evaluation (read by ``engine.evaluate.eval_batch_size``)."""
-    model.head = LRAHead(LRA(model.embedding_dim, settings), model.head)
+    model.head = LRAHead(LRA(model.embedding_dim, settings), model.head, normalize)
     model.transductive_batch = settings.eval_batch if settings.at_eval else None
     return model
 
