@@ -145,6 +145,10 @@ def test_labels_name_the_settings_that_differ():
     assert lrs == ["fedavg train.lr=0.01 server.lr=1", "fedavg train.lr=0.1 server.lr=0.5"]
     # Same algorithm, one group has an extra key: the key's presence is what tells them apart.
     assert make_labels([fedavg, {**fedavg, "algorithm.momentum": 0.9}]) == ["fedavg", "fedavg momentum=0.9"]
+    # A run made before an option existed, beside one that sets it: the option shows although lr already tells
+    # the two apart (else the second reads as the first at another lr)
+    old, new = {**fedavg, "train.lr": 0.01}, {**fedavg, "algorithm.normalize": True, "train.lr": 0.5}
+    assert make_labels([old, new]) == ["fedavg lr=0.01", "fedavg normalize=true lr=0.5"]
     plain = {**fedavg, "server.aggregation": "weights", "server.gne_solver": "newton"}
     gne = {**plain, "server.aggregation": "gne"}
     ccp = {**gne, "server.gne_solver": "ccp"}

@@ -34,4 +34,14 @@ cell wolra-sphere -a fedrane_wo_lra "${sphere[@]}"
 cell rane-sphere-lr05 -a fedrane "${sphere[@]}" -s train.lr=0.5
 cell wolra-sphere-lr05 -a fedrane_wo_lra "${sphere[@]}" -s train.lr=0.5
 cell rane-sphere-mse -a fedrane "${sphere[@]}" -s algorithm.pred_loss=mse
+# Every official-code option at once, at lr 0.5: the one-shot EASE graph on all neighbours, symmetric cosine NT-Xent
+# weighted 0.1 (nce_reg), and the official evaluation (the predictor reads z, no LRA)
+cell rane-official-lr05 -a fedrane "${sphere[@]}" -s train.lr=0.5 -s algorithm.relation_form=oneshot \
+  -s algorithm.neighbourhood=all -s algorithm.cd_similarity=cosine -s algorithm.cd_symmetric=true \
+  -s algorithm.lambda_cd=0.1 -s algorithm.lra_at_eval=false
+cell rane-official-lr05-evallra -a fedrane "${sphere[@]}" -s train.lr=0.5 -s algorithm.relation_form=oneshot \
+  -s algorithm.neighbourhood=all -s algorithm.cd_similarity=cosine -s algorithm.cd_symmetric=true \
+  -s algorithm.lambda_cd=0.1   # the same, evaluated with LRA: did training fail, or only the evaluation from z?
+cell rane-official-lr05-topk -a fedrane "${sphere[@]}" -s train.lr=0.5 -s algorithm.relation_form=oneshot \
+  -s algorithm.cd_similarity=cosine -s algorithm.cd_symmetric=true -s algorithm.lambda_cd=0.1  # top-10 neighbours
 "${FEDHET:-.venv/bin/fedhet}" report "$out"

@@ -184,6 +184,7 @@ def make_labels(settings: list[dict[str, Any]]) -> list[str]:
 
 
 COMPONENTS = ("algorithm", "server", "model", "dataset", "partition")
+ABSENT = "\0absent"  # a key a group's config lacks, as a value no JSON text can equal
 
 
 def owner(key: str, settings: dict[str, Any]) -> Any:
@@ -199,7 +200,9 @@ def differing_keys(settings: list[dict[str, Any]], presence_counts: bool) -> lis
 
     Without `presence_counts`, a key only some groups have (FedProx's mu next to FedAvg) counts only if those
     groups disagree on it: the algorithm name already tells such groups apart. Likewise a server optimiser's lr
-    only counts between groups that use the same server optimiser.
+    only counts between groups that use the same server optimiser. A component key that some groups of the same
+    component have and others lack (a run made before the option existed, next to one that sets it) counts too:
+    the name no longer tells them apart.
     """
     order = list(dict.fromkeys(k for s in settings for k in s))
     keys = []
@@ -208,6 +211,8 @@ def differing_keys(settings: list[dict[str, Any]], presence_counts: bool) -> lis
         for s in settings:
             if key in s:
                 values.setdefault(owner(key, s), set()).add(json.dumps(s[key], sort_keys=True, default=str))
+            elif owner(key, s) is not None:
+                values.setdefault(owner(key, s), set()).add(ABSENT)
         missing = any(key not in s for s in settings)
         if any(len(v) > 1 for v in values.values()) or (presence_counts and missing):
             keys.append(key)
