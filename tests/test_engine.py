@@ -67,6 +67,8 @@ def test_kill_and_resume_is_bit_exact(tiny_config, kill_and_resume, server):
     r_cut = read_metrics(resumed.run_dir / "metrics.jsonl")
     assert stable(r_full) == stable(r_cut)
     torch.testing.assert_close(full.algo.global_params, resumed.algo.global_params, rtol=0, atol=0)
+    elapsed = [r["elapsed_s"] for r in r_cut]  # the training time so far: it goes on across the resume
+    assert elapsed == sorted(elapsed)
 
 
 def test_crash_between_metrics_and_checkpoint_resumes_cleanly(tiny_config):

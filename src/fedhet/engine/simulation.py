@@ -447,7 +447,7 @@ class Simulation:
         train_loss = sum(r.metrics.get("train_loss", math.nan) * r.num_examples for r in replies.values())
         record = {
             "round": rnd,
-            "elapsed_s": round(time.perf_counter() - started, 4),
+            "elapsed_s": round(self._wall_before + time.perf_counter() - started, 4),  # a resumed run continues
             "lr": self.algo.round_lr(rnd),
             "train_loss": train_loss / n if n else None,
             "clients": len(replies),
