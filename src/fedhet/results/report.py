@@ -209,10 +209,11 @@ def differing_keys(settings: list[dict[str, Any]], presence_counts: bool) -> lis
     for key in order:
         values: dict[Any, set[str]] = {}
         for s in settings:
+            group = owner(key, s)
             if key in s:
-                values.setdefault(owner(key, s), set()).add(json.dumps(s[key], sort_keys=True, default=str))
-            elif owner(key, s) is not None:
-                values.setdefault(owner(key, s), set()).add(ABSENT)
+                values.setdefault(group, set()).add(json.dumps(s[key], sort_keys=True, default=str))
+            elif group is not None:
+                values.setdefault(group, set()).add(ABSENT)
         missing = any(key not in s for s in settings)
         if any(len(v) > 1 for v in values.values()) or (presence_counts and missing):
             keys.append(key)
