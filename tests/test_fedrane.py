@@ -15,6 +15,7 @@ from torch import nn
 
 from fedhet.algorithms import ALGORITHMS, Setup
 from fedhet.algorithms.base import ClientContext, ClientData, Message, Reply
+from fedhet.algorithms.fedacd import draw_mix
 from fedhet.algorithms.fedrane import LOCAL
 from fedhet.config import TrainSection
 from fedhet.engine.evaluate import evaluate, local_test_acc
@@ -223,9 +224,10 @@ def test_local_loss_is_ce_on_the_augmented_representation_plus_weighted_cd():
         torch.testing.assert_close(model(x), model.head.predictor(z_aug))
 
 
+@pytest.mark.parametrize("attention", ["dot", "gat"])
 @pytest.mark.parametrize("batch", ["identical", "two", "one", "constant"])
-def test_gradients_stay_finite_on_degenerate_batches(batch):
-    algo, model, flat = make_fedrane()
+def test_gradients_stay_finite_on_degenerate_batches(batch, attention):
+    algo, model, flat = make_fedrane(attention=attention)
     row = torch.randn(1, 4, generator=torch.Generator().manual_seed(7))
     x = {
         "identical": row.repeat(8, 1),  # a rank-one correlation matrix
@@ -310,6 +312,83 @@ def test_without_lra_the_normalised_head_reads_the_unit_representation():
         z = model.body(x)
         torch.testing.assert_close(model(x), model.head.head(z / z.norm(dim=1, keepdim=True)))
         assert not torch.allclose(model(x), model.head.head(z))  # the ReLU features are not unit vectors
+
+
+def naive_gat(lra, z, mask):
+    """The official GAT layer as graph_models.Attention writes it: the concatenation [W h_i ; W h_j] scored by a,
+    LeakyReLU 0.1, softmax over the neighbours, ELU; heads averaged (no dropout: evaluation)."""
+    heads = []
+    for head in lra.gat[0]:
+        wh = z @ head.w.weight.T
+        out = torch.zeros_like(z)
+        for i in range(len(z)):
+            nbrs = [j for j in range(len(z)) if mask[i, j]]
+            e = torch.stack([F.leaky_relu(head.a.weight[0] @ torch.cat([wh[i], wh[j]]), 0.1) for j in nbrs])
+            out[i] = F.elu(sum(a * wh[j] for a, j in zip(torch.softmax(e, 0), nbrs, strict=True)))
+        heads.append(out)
+    return sum(heads) / len(heads)
+
+
+@pytest.mark.parametrize("neighbourhood", ["topk", "all"])
+def test_gat_attention_matches_the_official_layer_written_out(neighbourhood):
+    from fedhet.models.lra import adjacency
+
+    lra = lra_module(LRASettings(topk=2, neighbourhood=neighbourhood, attention="gat", gat_heads=2)).eval()
+    assert len(lra.gat[0]) == 2 and not hasattr(lra, "message")
+    z = torch.randn(5, D, generator=torch.Generator().manual_seed(16))
+    mask = neighbour_mask(adjacency(z, lra.settings), lra.settings)
+    with torch.no_grad():
+        torch.testing.assert_close(lra(z), naive_gat(lra, z, mask), atol=1e-6, rtol=1e-5)
+    lra.train()  # dropout 0.2 in training only: some entries zeroed, the rest scaled by 1 / 0.8
+    torch.manual_seed(1)
+    with torch.no_grad():
+        dropped = lra(z)
+        kept = dropped != 0
+        assert 0 < int(kept.sum()) < kept.numel()
+        torch.testing.assert_close(dropped[kept], naive_gat(lra, z, mask)[kept] / 0.8, atol=1e-6, rtol=1e-5)
+
+
+def test_gat_attention_is_static_every_node_ranks_its_neighbours_alike():
+    # why the official full mask mixes nearly the same z~ for every sample: LeakyReLU(s_i + t_j) is increasing in t_j
+    lra = lra_module(LRASettings(neighbourhood="all", attention="gat", gat_heads=1)).eval()
+    head = lra.gat[0][0]
+    z = torch.randn(7, D, generator=torch.Generator().manual_seed(17))
+    with torch.no_grad():
+        wh = head.w(z)
+        t = wh @ head.a.weight[0, D:]
+        scores = F.leaky_relu((wh @ head.a.weight[0, :D])[:, None] + t[None, :], 0.1)
+    order = torch.argsort(t)
+    assert torch.all(scores[:, order].diff(dim=1) >= 0)
+
+
+def test_official_mixup_term_reads_the_mixed_batchs_augmented_features_as_logits():
+    algo, model, flat = make_fedrane(mixup_weight=10.0, lambda_cd=0.2, normalize=True)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(19))  # no all-zero ReLU row, mixed or not
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    ctx = context(algo, model, flat, ClientData(x, y, C), {})
+    lam, perm = draw_mix(0.5, 8, torch.Generator().manual_seed(1))  # context() seeds the client generator by round
+    assert 0 < lam < 1
+    with torch.no_grad():
+
+        def unit(v):
+            return v / v.norm(dim=1, keepdim=True)
+
+        z, z_mix = unit(model.body(x)), unit(model.body(lam * x + (1 - lam) * x[perm]))
+        z_aug, mix_aug = unit(model.head.lra(z)), unit(model.head.lra(z_mix))
+        expected = F.cross_entropy(model.head.predictor(z_aug), y).item() + 0.2 * naive_cd(
+            z, z_aug, 0.8, "pearson", False
+        )
+        expected += 0.2 * naive_cd(z_mix, mix_aug, 0.8, "pearson", False)
+        log_p = torch.log_softmax(mix_aug, dim=1)  # D = 6 feature coordinates as logits, labels index the first 3
+        expected += 10 * float(-(lam * log_p[range(8), y] + (1 - lam) * log_p[range(8), y[perm]]).mean())
+        assert algo.local_loss(ctx, x, y).item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_mixup_term_needs_a_representation_as_wide_as_the_class_count():
+    entry = ALGORITHMS.get("fedrane")
+    narrow = FedModel({"fc": nn.Sequential(nn.Linear(4, 2), nn.ReLU())}, 2, C)
+    with pytest.raises(ConfigError, match="mixup_weight > 0 reads the 2-d representation as logits over 3 classes"):
+        entry.obj.prepare_model(entry.params(mixup_weight=10.0), narrow)
 
 
 def test_a_fixed_predictor_cannot_have_two_layers(tiny_config):

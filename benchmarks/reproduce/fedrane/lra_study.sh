@@ -44,4 +44,11 @@ cell rane-official-lr05-evallra -a fedrane "${sphere[@]}" -s train.lr=0.5 -s alg
   -s algorithm.lambda_cd=0.1   # the same, evaluated with LRA: did training fail, or only the evaluation from z?
 cell rane-official-lr05-topk -a fedrane "${sphere[@]}" -s train.lr=0.5 -s algorithm.relation_form=oneshot \
   -s algorithm.cd_similarity=cosine -s algorithm.cd_symmetric=true -s algorithm.lambda_cd=0.1  # top-10 neighbours
+# The two official-code parts missing above: its GAT attention (2 heads, LeakyReLU scores, ELU, dropout 0.2) and its
+# mixup term (a mixed batch through the same graph, its features as logits, weighted 10): the released FedRANE as a
+# whole (train_raw, gnn_type gat, full mask, official evaluation), then with top-10 neighbours evaluated with LRA
+official=("${sphere[@]}" -s train.lr=0.5 -s algorithm.relation_form=oneshot -s algorithm.cd_similarity=cosine
+  -s algorithm.cd_symmetric=true -s algorithm.lambda_cd=0.1 -s algorithm.attention=gat -s algorithm.mixup_weight=10)
+cell rane-released -a fedrane "${official[@]}" -s algorithm.neighbourhood=all -s algorithm.lra_at_eval=false
+cell rane-released-topk -a fedrane "${official[@]}"
 "${FEDHET:-.venv/bin/fedhet}" report "$out"

@@ -140,6 +140,12 @@ def draw_beta(alpha: float, generator: torch.Generator) -> float:
     return float(np.random.default_rng(seed).beta(alpha, alpha))
 
 
+def draw_mix(alpha: float, n: int, generator: torch.Generator) -> tuple[float, torch.Tensor]:
+    """One input-Mixup draw for a batch of n: lam ~ Beta(alpha, alpha) and a random permutation as partners."""
+    lam = draw_beta(alpha, generator)
+    return lam, torch.randperm(n, generator=generator)
+
+
 def accumulate(sums: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor, labels: list[tuple]) -> None:
     """Add each sample's probabilities to the rows of its labels, weighted: ``labels`` is [(y, weight), ...]."""
     probs = probs.detach().double().cpu()
@@ -252,9 +258,8 @@ class FedACD(Algorithm):
         self.reset_sums(ctx)
 
     def draw_mix(self, ctx: ClientContext, n: int) -> tuple[float, torch.Tensor]:
-        """One mixup draw per mini-batch from the client's generator: lam ~ Beta(alpha, alpha) and the partners."""
-        lam = draw_beta(self.config.mixup_alpha, ctx.generator)
-        return lam, torch.randperm(n, generator=ctx.generator)
+        """One mixup draw per mini-batch from the client's generator (a method, so a test can fix the draw)."""
+        return draw_mix(self.config.mixup_alpha, n, ctx.generator)
 
     def mix(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
         """Input Mixup: the mixed batch and its [(labels, weight), ...]; the batch itself without mixup."""

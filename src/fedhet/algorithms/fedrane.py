@@ -49,9 +49,9 @@ and the official code ``XeniaLLL/HyperFed_and_FedRANE-master`` (``clientFedRANE.
 ``graph_models.py``), read for the open details only. Where it differs from the paper we follow the paper; each
 difference that is a choice here is a config field whose comment names the official value. Options that give the
 official code's forms: its one-shot EASE graph, its symmetric cosine NT-Xent, its L2-normalised z and z~
-(``normalize``), SphereFed's fixed orthonormal predictor (``predictor = "fixed"``) and its MSE loss (``pred_loss``).
-Not taken: its mixup term (cross-entropy of the mixed samples' normalised features read as logits over the d
-feature coordinates, weighted 10) and its GAT attention.
+(``normalize``), SphereFed's fixed orthonormal predictor (``predictor = "fixed"``), its MSE loss (``pred_loss``),
+its GAT attention (``attention = "gat"``, ``fedhet.models.lra``) and its mixup term (``mixup_weight``: the
+cross-entropy of a mixed batch's augmented features read as logits over the d feature coordinates, weighted 10).
 """
 
 from __future__ import annotations
@@ -64,12 +64,14 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from fedhet.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientContext, Reply, Setup
+from fedhet.algorithms.fedacd import draw_mix
 from fedhet.algorithms.fednh import init_prototypes
 from fedhet.algorithms.gne import GNE
 from fedhet.algorithms.spherefed import SphereHead
 from fedhet.errors import ConfigError
 from fedhet.models.base import FedModel
 from fedhet.models.lra import (
+    Attention,
     LRASettings,
     Neighbourhood,
     Normalized,
@@ -126,6 +128,19 @@ class FedRANEConfig(AlgoConfig):
     topk: int = Field(10, ge=1)  # notes' proposal k = 10
     self_loop: bool = False  # diag(Bm) = 0 excludes i from N_i (paper, literally); True adds it
     steps: int = Field(1, ge=1)  # L, not given: notes' proposal 1 (official graph_n_hops 1)
+    # "dot": Eq. 6's dot-product scores (W_m h_i).(W_n h_j), softmax over N_i (the paper); "gat": the official code's
+    # default gnn_type, a GAT layer of gat_heads heads (LeakyReLU 0.1 scores, ELU, heads averaged, dropout)
+    attention: Attention = "dot"
+    gat_heads: int = Field(2, ge=1)  # official num_heads = 2
+    gat_dropout: float = Field(0.2, ge=0.0, lt=1.0)  # official GAT dropout 0.2, applied in training only
+    # ---- the official code's mixup term (train_raw; not in the paper). Each batch also passes a mixup of itself,
+    # lam x + (1 - lam) x[perm] with lam ~ Beta(mixup_alpha, mixup_alpha), through the extractor and LRA on its own
+    # graph; its CD loss is added, and mixup_weight * (lam CE(v, y) + (1 - lam) CE(v, y[perm])), where v is the
+    # mixed batch's augmented representation (unit with normalize; z itself without LRA) read directly as logits over
+    # its d coordinates, so label c scores feature c (needs d >= C). 0 = off (paper); official 10 (train_raw's factor,
+    # the graph's alpha = 0 so the mixed z~ is used as is) with mixup_data's alpha 0.5.
+    mixup_weight: float = Field(0.0, ge=0.0)
+    mixup_alpha: float = Field(0.5, gt=0.0)
     # ---- evaluation (notes 2.5: LRA at test time is not specified)
     lra_at_eval: bool = True  # paper's framework (predictor reads z~); official evaluation skips LRA (False)
     eval_batch_size: int = Field(128, ge=2)  # the fixed test batch LRA sees (notes' proposal: B = 128)
@@ -151,6 +166,9 @@ class FedRANEConfig(AlgoConfig):
             topk=self.topk,
             self_loop=self.self_loop,
             steps=self.steps,
+            attention=self.attention,
+            gat_heads=self.gat_heads,
+            gat_dropout=self.gat_dropout,
             min_batch=self.min_batch,
             at_eval=self.lra_at_eval,
             eval_batch=self.eval_batch_size,
@@ -170,6 +188,11 @@ class FedRANE(Algorithm):
     @classmethod
     def prepare_model(cls, config: FedRANEConfig, model: FedModel) -> FedModel:
         d = model.embedding_dim
+        if config.mixup_weight > 0 and d < model.num_classes:
+            raise ConfigError(
+                f"algorithm.mixup_weight > 0 reads the {d}-d representation as logits over {model.num_classes} "
+                "classes, which needs a width of at least the class count; widen the model or set mixup_weight = 0"
+            )
         if config.predictor == "fixed":  # drawn from the run-seeded generator, a buffer that travels with the model
             model.head = SphereHead(init_prototypes(model.num_classes, d))
         if config.predictor_layers == 2:
@@ -197,17 +220,38 @@ class FedRANE(Algorithm):
 
     # ----------------------------------------------------------------- client side
     def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        z = ctx.model.body(x)
-        if not self.config.lra:
-            return self.prediction_loss(ctx.model.head(z), y)
-        head = ctx.model.head
-        z, z_aug = head.pair(z)
-        loss = self.prediction_loss(head.predictor(z_aug), y)
-        if self.config.lambda_cd == 0:
-            return loss
         cfg = self.config
+        if cfg.mixup_weight == 0:
+            return self.supervised_loss(ctx.model, ctx.model.body(x), y)
+        # the official train_raw: one extractor pass over [x; mixup(x)], each half augmented on its own graph
+        lam, perm = draw_mix(cfg.mixup_alpha, len(y), ctx.generator)
+        perm = perm.to(y.device)
+        z = ctx.model.body(torch.cat([x, lam * x + (1.0 - lam) * x[perm]]))
+        loss = self.supervised_loss(ctx.model, z[: len(y)], y)
+        v, cd = self.augmented(ctx.model, z[len(y) :])
+        mixup = lam * F.cross_entropy(v, y) + (1.0 - lam) * F.cross_entropy(v, y[perm])
+        loss = loss + cfg.mixup_weight * mixup
+        return loss if cd is None else loss + cd
+
+    def supervised_loss(self, model: FedModel, z: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Eq. 9: the prediction loss on z~ plus lambda_CD * L_CD (without LRA: the head's loss on z alone)."""
+        if not self.config.lra:
+            return self.prediction_loss(model.head(z), y)
+        z_aug, cd = self.augmented(model, z)
+        loss = self.prediction_loss(model.head.predictor(z_aug), y)
+        return loss if cd is None else loss + cd
+
+    def augmented(self, model: FedModel, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The representation the predictor reads (z~, or z without LRA; unit with ``normalize``) and the weighted
+        CD loss (None when there is none)."""
+        cfg = self.config
+        if not cfg.lra:
+            return (F.normalize(z, dim=1) if cfg.normalize else z), None
+        z, z_aug = model.head.pair(z)
+        if cfg.lambda_cd == 0:
+            return z_aug, None
         cd = contrastive_discrimination(z, z_aug, cfg.temperature, cfg.cd_similarity, cfg.cd_symmetric)
-        return loss + cfg.lambda_cd * cd
+        return z_aug, cfg.lambda_cd * cd
 
     def prediction_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.config.pred_loss == "mse":

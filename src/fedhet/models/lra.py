@@ -18,6 +18,11 @@ For a batch of representations Z (B x d):
    alpha_ij = softmax_{j in N_i}((W_m h_i) . (W_n h_j) / sqrt(d)). The softmax is the notes' reading: Eq. 6 prints
    the raw score. No self term (diag(Bm) = 0) unless ``self_loop``; no bias, non-linearity or normalisation (none is
    printed). The output z~ = h^L has the width d of z, so the predictor and the CD loss read it directly.
+   ``attention = "gat"`` replaces Eq. 5-6 by the official code's GAT layer (``graph_models.GAT``, its default
+   ``gnn_type``): per head, e_ij = LeakyReLU_0.1(aᵀ[W h_i ; W h_j]) softmax-normalised over N_i, h'_i =
+   ELU(sum_j alpha_ij W h_j); the heads (2) are averaged, then dropout 0.2 in training. Its scores split as
+   s_i + t_j inside the LeakyReLU, so every node ranks its neighbours alike ("static" attention, Brody et al. 2022):
+   over the full mask every z~_i is nearly the same mix of the batch.
 
 The graph (P, Bm, A) is built in float64 without gradient. It enters Eq. 5-6 only through the discrete
 neighbourhood N_i (A weights no edge), so no gradient could reach the extractor through it anyway; the notes'
@@ -47,6 +52,8 @@ from fedhet.models.base import FedModel
 
 RelationForm = Literal["eq4", "kkt", "oneshot"]
 Neighbourhood = Literal["topk", "all"]
+Attention = Literal["dot", "gat"]
+GAT_SLOPE = 0.1  # the official GraphAttentionLayer's LeakyReLU slope (its ``alpha``)
 PEARSON_EPS = 1e-8  # inside the square root of a row's norm, so a constant row has finite gradients
 
 
@@ -61,6 +68,9 @@ class LRASettings:
     topk: int = 10
     self_loop: bool = False
     steps: int = 1
+    attention: Attention = "dot"
+    gat_heads: int = 2
+    gat_dropout: float = 0.2
     min_batch: int = 2
     at_eval: bool = True
     eval_batch: int = 128
@@ -158,12 +168,18 @@ def masked_softmax(scores: Tensor, mask: Tensor) -> Tensor:
 
 # --------------------------------------------------------------------------------------------- module
 class LRA(nn.Module):
-    """The relational augmentation block: (B, d) -> (B, d). Parameters: W, W_m, W_n (d x d, no bias) per step."""
+    """The relational augmentation block: (B, d) -> (B, d). Parameters per step: W, W_m, W_n (d x d, no bias) for
+    Eq. 5-6, or per GAT head W (d x d) and a (2d -> 1), no bias, Xavier-initialised as the official code."""
 
     def __init__(self, dim: int, settings: LRASettings) -> None:
         super().__init__()
         self.dim = dim
         self.settings = settings
+        if settings.attention == "gat":
+            self.gat = nn.ModuleList(
+                nn.ModuleList(GATHead(dim) for _ in range(settings.gat_heads)) for _ in range(settings.steps)
+            )
+            return
         self.message = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(settings.steps))  # W^l
         self.receive = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(settings.steps))  # W_m^l
         self.send = nn.ModuleList(nn.Linear(dim, dim, bias=False) for _ in range(settings.steps))  # W_n^l
@@ -181,6 +197,8 @@ class LRA(nn.Module):
             return z
         with torch.no_grad():
             mask = neighbour_mask(adjacency(z, self.settings), self.settings)
+        if self.settings.attention == "gat":
+            return self.gat_steps(z, mask)
         h = z
         for w, w_m, w_n in zip(self.message, self.receive, self.send, strict=True):
             h = self.attention(h, w_m, w_n, mask) @ w(h)
@@ -189,6 +207,30 @@ class LRA(nn.Module):
     def attention(self, h: Tensor, w_m: nn.Linear, w_n: nn.Linear, mask: Tensor) -> Tensor:
         """alpha (B x B): Eq. 6's scores, softmax-normalised over each node's neighbourhood."""
         return masked_softmax(w_m(h) @ w_n(h).T / math.sqrt(self.dim), mask)
+
+    def gat_steps(self, h: Tensor, mask: Tensor) -> Tensor:
+        for heads in self.gat:
+            h = torch.stack([head(h, mask) for head in heads]).mean(0)
+            h = F.dropout(h, self.settings.gat_dropout, training=self.training)
+        return h
+
+
+class GATHead(nn.Module):
+    """One head of the official GAT layer: ELU(softmax_{N_i}(LeakyReLU(aᵀ[W h_i ; W h_j])) W h)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.w = nn.Linear(dim, dim, bias=False)
+        self.a = nn.Linear(2 * dim, 1, bias=False)
+        nn.init.xavier_uniform_(self.w.weight)
+        nn.init.xavier_uniform_(self.a.weight)
+
+    def forward(self, h: Tensor, mask: Tensor) -> Tensor:
+        wh = self.w(h)
+        a_self, a_other = self.a.weight[0].split(len(self.w.weight))
+        # aᵀ[Wh_i ; Wh_j] = a_selfᵀ Wh_i + a_otherᵀ Wh_j: a B x B sum instead of the B x B x 2d concatenation
+        scores = F.leaky_relu((wh @ a_self)[:, None] + (wh @ a_other)[None, :], GAT_SLOPE)
+        return F.elu(masked_softmax(scores, mask) @ wh)
 
 
 class LRAHead(nn.Module):
