@@ -50,5 +50,8 @@ cell rane-official-lr05-topk -a fedrane "${sphere[@]}" -s train.lr=0.5 -s algori
 official=("${sphere[@]}" -s train.lr=0.5 -s algorithm.relation_form=oneshot -s algorithm.cd_similarity=cosine
   -s algorithm.cd_symmetric=true -s algorithm.lambda_cd=0.1 -s algorithm.attention=gat -s algorithm.mixup_weight=10)
 cell rane-released -a fedrane "${official[@]}" -s algorithm.neighbourhood=all -s algorithm.lra_at_eval=false
+cell rane-released-lr001 -a fedrane "${official[@]}" -s algorithm.neighbourhood=all -s algorithm.lra_at_eval=false \
+  -s train.lr=0.01  # the official README's -lr 0.01
 cell rane-released-topk -a fedrane "${official[@]}"
+cell rane-released-topk-nomixup -a fedrane "${official[@]}" -s algorithm.mixup_weight=0  # GAT alone, against topk
 "${FEDHET:-.venv/bin/fedhet}" report "$out"
