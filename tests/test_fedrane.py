@@ -349,16 +349,17 @@ def test_gat_attention_matches_the_official_layer_written_out(neighbourhood):
 
 
 def test_gat_attention_is_static_every_node_ranks_its_neighbours_alike():
-    # why the official full mask mixes nearly the same z~ for every sample: LeakyReLU(s_i + t_j) is increasing in t_j
+    # why the official full mask gives every sample nearly the same z~: LeakyReLU(s_i + t_j) is increasing in t_j
     lra = lra_module(LRASettings(neighbourhood="all", attention="gat", gat_heads=1)).eval()
     head = lra.gat[0][0]
     z = torch.randn(7, D, generator=torch.Generator().manual_seed(17))
+    full = ~torch.eye(7, dtype=torch.bool)
     with torch.no_grad():
-        wh = head.w(z)
-        t = wh @ head.a.weight[0, D:]
-        scores = F.leaky_relu((wh @ head.a.weight[0, :D])[:, None] + t[None, :], 0.1)
-    order = torch.argsort(t)
-    assert torch.all(scores[:, order].diff(dim=1) >= 0)
+        alpha = head.attention(head.w(z), full)
+    torch.testing.assert_close(alpha.sum(1), torch.ones(7))
+    for i in range(1, 7):
+        shared = [j for j in range(7) if j not in (0, i)]  # the neighbours nodes 0 and i have in common
+        assert torch.equal(torch.argsort(alpha[i, shared]), torch.argsort(alpha[0, shared]))
 
 
 def test_official_mixup_term_reads_the_mixed_batchs_augmented_features_as_logits():
@@ -382,6 +383,19 @@ def test_official_mixup_term_reads_the_mixed_batchs_augmented_features_as_logits
         log_p = torch.log_softmax(mix_aug, dim=1)  # D = 6 feature coordinates as logits, labels index the first 3
         expected += 10 * float(-(lam * log_p[range(8), y] + (1 - lam) * log_p[range(8), y[perm]]).mean())
         assert algo.local_loss(ctx, x, y).item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_without_lra_the_mixup_term_reads_the_mixed_batchs_unit_representation():
+    algo, model, flat = make_fedrane("fedrane_wo_lra", mixup_weight=10.0, normalize=True)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(19))
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    ctx = context(algo, model, flat, ClientData(x, y, C), {})
+    lam, perm = draw_mix(0.5, 8, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        v = F.normalize(model.body(lam * x + (1 - lam) * x[perm]), dim=1)
+        mixup = lam * F.cross_entropy(v, y) + (1 - lam) * F.cross_entropy(v, y[perm])
+        expected = F.cross_entropy(model(x), y) + 10 * mixup  # model(x): the head on the unit z, no CD term
+        assert algo.local_loss(ctx, x, y).item() == pytest.approx(expected.item(), rel=1e-5)
 
 
 def test_the_mixup_term_needs_a_representation_as_wide_as_the_class_count():

@@ -227,10 +227,14 @@ class GATHead(nn.Module):
 
     def forward(self, h: Tensor, mask: Tensor) -> Tensor:
         wh = self.w(h)
+        return F.elu(self.attention(wh, mask) @ wh)
+
+    def attention(self, wh: Tensor, mask: Tensor) -> Tensor:
+        """alpha (B x B) over N_i from W h. aᵀ[Wh_i ; Wh_j] = a_selfᵀ Wh_i + a_otherᵀ Wh_j, a B x B sum instead of
+        the official B x B x 2d concatenation."""
         a_self, a_other = self.a.weight[0].split(len(self.w.weight))
-        # aᵀ[Wh_i ; Wh_j] = a_selfᵀ Wh_i + a_otherᵀ Wh_j: a B x B sum instead of the B x B x 2d concatenation
         scores = F.leaky_relu((wh @ a_self)[:, None] + (wh @ a_other)[None, :], GAT_SLOPE)
-        return F.elu(masked_softmax(scores, mask) @ wh)
+        return masked_softmax(scores, mask)
 
 
 class LRAHead(nn.Module):
