@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fedhet.data.datasets import load_dataset
+from fedhet.data.federated import normalise
 from fedhet.models import build_model
 from fedhet.models.lra import LRA, LRASettings
 
@@ -32,9 +33,7 @@ def mean_cosine(v: torch.Tensor) -> float:
 def batch() -> torch.Tensor:
     ds = load_dataset("fmnist")
     idx = torch.randperm(len(ds.y_train), generator=torch.Generator().manual_seed(0))[:BATCH]
-    x = torch.as_tensor(ds.x_train[idx]).float()
-    mean, std = torch.tensor(ds.mean).view(1, -1, 1, 1), torch.tensor(ds.std).view(1, -1, 1, 1)
-    return (x - mean) / std  # as the engine's tensor layer feeds the model
+    return torch.as_tensor(normalise(ds.x_train[idx.numpy()], ds))  # as the engine feeds the model
 
 
 def main() -> None:
