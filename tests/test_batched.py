@@ -174,6 +174,23 @@ def test_resuming_with_another_executor_warns(tiny_config, capsys):
     assert "trained batched and now train sequential" in err and "not match an uninterrupted run bit for bit" in err
 
 
+def test_a_resume_names_every_rounding_change_in_one_warning(tiny_config, capsys):
+    """Another executor and another processor (as provenance.json records it): one warning names both."""
+    first = Simulation(tiny_config(run={"name": "m", "rounds": 2, "executor": "batched"}))
+    first.run(stop_after=1)
+    path = first.run_dir / "provenance.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "cpu": "Some Other CPU"}))
+    from rich.console import Console
+
+    console = Console(stderr=True, width=1000)
+    Simulation(tiny_config(run={"name": "m", "rounds": 2, "executor": "sequential"}), console=console).run(resume=True)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, warnings
+    assert "trained batched and now train sequential" in warnings[0]
+    assert "it continues on cpu: Some Other CPU -> " in warnings[0]
+    assert warnings[0].endswith("not match an uninterrupted run bit for bit")
+
+
 def test_failing_and_non_finite_clients_are_dropped_with_state_untouched(tiny_config):
     """A client whose hook raises, or whose model turns non-finite, is dropped and recorded, its stored state is
     left as it was, and the other clients of the same batched computation are unaffected."""

@@ -602,13 +602,7 @@ class Simulation:
         self._wall_before = state["wall_s"]
         self._saved_clients, self._rotate = state["executor"], loaded.path.name == LAST
         self._saved_round = state["round"]
-        self.warn_thread_change(state.get("torch_threads"))
-        before = state.get("executor_kind")
-        if before is not None and before != self.executor_kind:
-            self.warn(
-                f"this run's clients trained {before} and now train {self.executor_kind}: the results differ by "
-                "float rounding, so it will not match an uninterrupted run bit for bit"
-            )
+        self._rounding_changes = self.rounding_changes(state)
         return state["round"]
 
     def check_resumable(self, state: dict[str, Any]) -> None:
@@ -625,15 +619,20 @@ class Simulation:
                 "or train fewer rounds under a new run name)"
             )
 
-    def warn_thread_change(self, before: int | None) -> None:
-        now = self.client_threads
-        if before is not None and before != now:
-            self.warn(
-                f"this run's clients trained with {before} torch thread(s) and now train with {now}: float sums "
-                "then differ in the last bits, so it will not match an uninterrupted run bit for bit (match it with "
-                f"--threads {before} on fedhet run, resume and compare, or OMP_NUM_THREADS={before}; run.workers >= 2 "
-                "trains with one)"
+    def rounding_changes(self, state: dict[str, Any]) -> list[str]:
+        """How the clients train now unlike before the checkpoint, in ways that change only float rounding."""
+        changes = []
+        threads = state.get("torch_threads")
+        if threads is not None and threads != self.client_threads:
+            changes.append(
+                f"its clients trained with {threads} torch thread(s) and now train with {self.client_threads} (match "
+                f"it with --threads {threads} on fedhet run, resume and compare, or OMP_NUM_THREADS={threads}; "
+                "run.workers >= 2 trains with one)"
             )
+        kind = state.get("executor_kind")
+        if kind is not None and kind != self.executor_kind:
+            changes.append(f"its clients trained {kind} and now train {self.executor_kind}")
+        return changes
 
     # ------------------------------------------------------------------ the run folder
     def prepare_dir(self, resume: bool, overwrite: bool) -> int:
@@ -641,6 +640,7 @@ class Simulation:
         check_run_flags(resume, overwrite)
         make_out_dir(Path(self.cfg.run.out_dir))
         self._wall_before, self._saved_clients, self._rotate, self._saved_round = 0.0, None, True, 0
+        self._rounding_changes: list[str] = []  # filled by resume_state, reported with the environment's changes
         if overwrite and self.run_dir.exists():
             remove_run_dir(self.run_dir)
         if resume and self.run_dir.is_dir():
@@ -681,21 +681,25 @@ class Simulation:
             )
 
     def record_environment(self, resumed_at: int | None) -> None:
-        """provenance.json: what ran (data source and hash, versions, thread count), and every resume."""
+        """provenance.json: what ran (data source and hash, versions, thread count), and every resume.
+
+        A resume warns once, naming every change since the checkpoint that alters float rounding."""
         path = self.run_dir / "provenance.json"
         now = {**environment(), "torch_threads": self.client_threads, "workers": self.workers}
+        moved: list[str] = []
         if resumed_at is None or not path.exists():
             info = {**now, "data": self.fed.provenance, "resumes": []}
         else:
             info = read_json(path)
             last = (info.get("resumes") or [info])[-1]  # where the run trained until now
-            changes = environment_changes(last, now)
-            if changes:
-                self.warn(
-                    f"this run continues on another machine or software ({'; '.join(changes)}): floats round "
-                    "differently there, so it will not match an uninterrupted run bit for bit"
-                )
+            moved = [f"it continues on {change}" for change in environment_changes(last, now)]
             info.setdefault("resumes", []).append({"round": resumed_at, **now})
+        changes = self._rounding_changes + moved
+        if changes:
+            self.warn(
+                f"this run resumes, but {'; '.join(changes)}: floats round differently now, so it will not match an "
+                "uninterrupted run bit for bit"
+            )
         write_json_atomic(path, info)
 
     def warn(self, text: str) -> None:
