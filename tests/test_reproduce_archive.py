@@ -104,3 +104,44 @@ def test_fedrane_tables_last_names_each_cells_own_round(tmp_path):
     assert "| 90.00 R24 | 91.35 | -1.35 |" in next(line for line in last if line.startswith("| FedRANE |"))
     common = subprocess.run([sys.executable, str(script), str(runs)], capture_output=True, text=True, check=True)
     assert "at round 24" in common.stdout  # without --last: the round every cell has reached
+
+
+def test_archive_keeps_a_small_checkpoint_only_where_it_alone_resumes_the_run(tmp_path):
+    archive = load(REPRODUCE / "archive.py")
+    runs, dest = tmp_path / "runs", tmp_path / "results"
+    make_run(runs / "a" / "fedavg-s0", "finished", 3, 0.5)  # a 100-byte last.pt
+    spilled = make_run(runs / "a" / "ditto-s0", "finished", 3, 0.5)
+    (spilled / "client_state").mkdir()  # client states on disk: the checkpoint alone cannot resume it
+    big = make_run(runs / "b" / "fedavg-s0", "finished", 3, 0.5)
+    (big / "checkpoints" / "last.pt").write_bytes(b"x" * 2**20)
+    assert archive.archive(runs, dest, checkpoint_mb=0.5) == ["a/ditto-s0", "a/fedavg-s0", "b/fedavg-s0"]
+    assert (dest / "a" / "fedavg-s0" / "checkpoints" / "last.pt").read_bytes() == b"x" * 100
+    assert not (dest / "a" / "ditto-s0" / "checkpoints").exists()
+    assert not (dest / "b" / "fedavg-s0" / "checkpoints").exists()
+    make_run(tmp_path / "longer" / "a" / "fedavg-s0", "finished", 4, 0.5)
+    (tmp_path / "longer" / "a" / "fedavg-s0" / "checkpoints" / "last.pt").unlink()
+    assert archive.archive(tmp_path / "longer", dest) == ["a/fedavg-s0"]
+    assert not (dest / "a" / "fedavg-s0" / "checkpoints").exists()  # the 3-round checkpoint would not match
+
+
+def test_a_restored_cell_continues_where_the_archived_run_stopped(tiny_config, tmp_path):
+    from fedhet.engine.simulation import Simulation
+    from fedhet.results.store import read_metrics
+
+    archive = load(REPRODUCE / "archive.py")
+    full = Simulation(tiny_config(run={"name": "full", "rounds": 3}))
+    full.run()
+    cut = Simulation(tiny_config(run={"name": "cut", "rounds": 3}))
+    cut.run(stop_after=2)  # killed after round 2: no summary, a round-2 checkpoint
+    dest, elsewhere = tmp_path / "results", tmp_path / "other-machine" / "runs"
+    assert archive.archive(cut.run_dir.parent, dest, partial=True, checkpoint_mb=5) == ["cut", "full"]
+    assert archive.restore(dest, elsewhere) == (["cut", "full"], [])
+    assert archive.restore(dest, elsewhere) == ([], ["cut", "full"])  # never over a run folder
+    resumed = Simulation(tiny_config(run={"name": "cut", "rounds": 3, "out_dir": str(elsewhere)}))
+    resumed.run(resume=True)
+    assert json.loads((resumed.run_dir / "provenance.json").read_text())["resumes"][-1]["round"] == 2
+    keys = ("round", "test_acc", "test_loss", "train_loss")
+    expected, got = (
+        [{k: r[k] for k in keys} for r in read_metrics(s.run_dir / "metrics.jsonl")] for s in (full, resumed)
+    )
+    assert len(got) == 3 and got == expected  # bit for bit: the same machine here

@@ -12,6 +12,14 @@ experiment: the script stops with the cell's name). The tables scripts read DEST
 
 ``--partial`` also keeps cells that did not finish (stopped at a deadline, killed): their metrics.jsonl is a true
 record up to its last round, which is what counts as their rounds; a table must then say each cell's round.
+
+``--checkpoint-mb MB`` also keeps a cell's last checkpoint (``checkpoints/last.pt``) where it is at most MB and the
+run folder holds nothing else a resume needs (no client states spilled to disk), so a later session on another
+machine can extend the cell instead of running it again: ``archive.py --restore DEST RUNS_DIR`` copies every archived
+cell that has one back under RUNS_DIR (never over a run folder already there), and rerunning the reproduction's
+command with more rounds continues them (the resume warns that floats round differently on another machine).
+Stop the runs before archiving: a cell is copied checkpoint first, so its metrics reach at least the checkpoint's
+round, and the resume drops any later lines.
 """
 
 from __future__ import annotations
@@ -51,7 +59,16 @@ def rounds_done(run: Path) -> int:
     return int(json.loads(lines[-1])["round"]) if lines else 0
 
 
-def archive(root: Path, dest: Path, partial: bool = False) -> list[str]:
+def resumable_checkpoint(run: Path, limit_mb: float) -> Path | None:
+    """The run's last checkpoint, where it alone (with the result files) lets the run resume and is small enough."""
+    checkpoint = run / "checkpoints" / "last.pt"
+    others = [p.name for p in run.iterdir() if p.is_dir() and p.name != "checkpoints"]
+    if not checkpoint.exists() or others or checkpoint.stat().st_size > limit_mb * 2**20:
+        return None
+    return checkpoint
+
+
+def archive(root: Path, dest: Path, partial: bool = False, checkpoint_mb: float = 0.0) -> list[str]:
     copied = []
     for run in logged_runs(root) if partial else finished_runs(root):
         target = dest / run.relative_to(root)
@@ -61,6 +78,11 @@ def archive(root: Path, dest: Path, partial: bool = False) -> list[str]:
             if rounds_done(target) >= rounds_done(run):
                 continue
         target.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(target / "checkpoints", ignore_errors=True)  # an older copy's checkpoint no longer matches
+        checkpoint = resumable_checkpoint(run, checkpoint_mb) if checkpoint_mb > 0 else None
+        if checkpoint is not None:  # before the metrics, which then reach at least its round
+            (target / "checkpoints").mkdir()
+            shutil.copy2(checkpoint, target / "checkpoints" / checkpoint.name)
         for name in FILES:
             if (run / name).exists():
                 shutil.copy2(run / name, target / name)
@@ -70,13 +92,35 @@ def archive(root: Path, dest: Path, partial: bool = False) -> list[str]:
     return copied
 
 
+def restore(dest: Path, root: Path) -> tuple[list[str], list[str]]:
+    """Copy every archived cell with a checkpoint back under ``root``; returns (restored, left alone as present)."""
+    restored, present = [], []
+    for checkpoint in sorted(dest.rglob("checkpoints/last.pt")):
+        cell = checkpoint.parent.parent
+        target = root / cell.relative_to(dest)
+        if target.exists():  # a run folder is never replaced: it may hold newer rounds than the archive
+            present.append(str(cell.relative_to(dest)))
+            continue
+        shutil.copytree(cell, target)
+        restored.append(str(cell.relative_to(dest)))
+    return restored, present
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("root", type=Path)
-    parser.add_argument("dest", type=Path)
+    parser.add_argument("root", type=Path, help="the runs folder (with --restore: the archive)")
+    parser.add_argument("dest", type=Path, help="the archive (with --restore: the runs folder)")
     parser.add_argument("--partial", action="store_true", help="also keep cells that did not finish")
+    parser.add_argument("--checkpoint-mb", type=float, default=0.0, help="also keep last checkpoints up to this size")
+    parser.add_argument("--restore", action="store_true", help="copy archived cells with a checkpoint back to runs")
     args = parser.parse_args()
-    copied = archive(args.root, args.dest, args.partial)
+    if args.restore:
+        restored, present = restore(args.root, args.dest)
+        print(f"restored {len(restored)} cell(s) into {args.dest}" + "".join(f"\n  {c}" for c in restored))
+        if present:
+            print("left alone (a run folder is already there):" + "".join(f"\n  {c}" for c in present))
+        return
+    copied = archive(args.root, args.dest, args.partial, args.checkpoint_mb)
     print(f"archived {len(copied)} cell(s) into {args.dest}" + "".join(f"\n  {c}" for c in copied))
 
 
