@@ -62,8 +62,8 @@ def rounds_done(run: Path) -> int:
 def resumable_checkpoint(run: Path, limit_mb: float) -> Path | None:
     """The run's last checkpoint, where it alone (with the result files) lets the run resume and is small enough."""
     checkpoint = run / "checkpoints" / "last.pt"
-    others = [p.name for p in run.iterdir() if p.is_dir() and p.name != "checkpoints"]
-    if not checkpoint.exists() or others or checkpoint.stat().st_size > limit_mb * 2**20:
+    spilled = any(p.is_dir() and p.name != "checkpoints" for p in run.iterdir())  # e.g. client states on disk
+    if not checkpoint.exists() or spilled or checkpoint.stat().st_size > limit_mb * 2**20:
         return None
     return checkpoint
 
