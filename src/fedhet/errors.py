@@ -15,6 +15,11 @@ class RunFailed(FedhetError):
     """A run that cannot go on (non-finite model, no client left); summary.json says why, the last checkpoint stays."""
 
 
+class DiskFull(RunFailed):
+    """A file of the run could not be written (no space, quota): the run stops at its last checkpoint, which stays
+    complete; the message names the file, the last checkpointed round and that ``fedhet resume`` continues."""
+
+
 class Interrupted(FedhetError):
     """Ctrl-C: training stopped, the last checkpoints are kept; the message says how to continue."""
 
