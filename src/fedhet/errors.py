@@ -15,6 +15,10 @@ class RunFailed(FedhetError):
     """A run that cannot go on (non-finite model, no client left); summary.json says why, the last checkpoint stays."""
 
 
+class CorruptFile(FedhetError, ValueError):
+    """A run-folder file (JSON document, metrics log) that cannot be read or parsed; the message names it."""
+
+
 class DiskFull(RunFailed):
     """A file of the run could not be written (no space, quota): the run stops at its last checkpoint, which stays
     complete; the message names the file, the last checkpointed round and that ``fedhet resume`` continues."""

@@ -66,6 +66,8 @@ def num_local_steps(n: int, batch_size: int, epochs: float, steps: int | None) -
 
 def batch_indices(n: int, batch_size: int, total_steps: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
     """Mini-batches of sample indices: a fresh permutation per pass, the last batch of a pass may be short."""
+    if n == 0 and total_steps > 0:  # no pass would ever yield a batch: refuse rather than loop forever
+        raise ValueError("this client holds no training samples, so it cannot train")
     taken = 0
     while taken < total_steps:
         perm = torch.randperm(n, generator=generator)

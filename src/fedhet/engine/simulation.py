@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import json
 import math
 import time
 from collections.abc import Callable
@@ -46,9 +48,17 @@ from fedhet.engine.rundir import (
     usable_cores,
 )
 from fedhet.engine.state import build_state_store
-from fedhet.errors import ConfigError, RunFailed
+from fedhet.errors import ConfigError, CorruptFile, DiskFull, RunFailed
 from fedhet.registry import Registry
-from fedhet.results.store import MetricsLog, read_json, read_metrics, truncate_after, write_json_atomic
+from fedhet.results.store import (
+    MetricsLog,
+    read_json,
+    read_metrics,
+    to_json,
+    truncate_after,
+    write_json_atomic,
+    write_text_atomic,
+)
 from fedhet.results.trackers import Trackers
 
 
@@ -272,6 +282,10 @@ def nonfinite(tree: Any, prefix: str = "") -> list[str]:
     return []
 
 
+# errnos of a write that failed for want of space: the run stops with DiskFull and resumes once space is freed
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
 # Below this many cores, auto keeps clients in this process: on 2 cores, torch's two intra-op threads trained the
 # benchmark's CNN as fast as two worker processes and the demo's MLP faster (docs/performance.md).
 AUTO_WORKERS_MIN_CORES = 4
@@ -334,7 +348,10 @@ class Simulation:
         self.ema: float | None = None
         # [tracking]: TensorBoard, MLflow, W&B get copies of the config, metrics and summary (results/trackers.py)
         self.trackers = Trackers(cfg.tracking, self.run_dir, Path(cfg.run.out_dir), self.name, self.warn)
-        self.empty_streak = 0  # rounds in a row in which no client finished
+        self.empty_streak = 0  # rounds in a row in which no client finished (some phase lost every client)
+        self.empty_rounds = 0  # and in all
+        self.metrics_lines: list[str] = []  # metrics.jsonl as written, kept in the checkpoint to check it at resume
+        self.notes: list[str] = []  # warnings about what this run can measure, repeated in summary.json
         # run.eval_local_models: the local models (params, buffers) of the last phase's replies, for evaluation
         self.local_models: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.local_kls: list[float] = []  # and their KL(P^m || Q) on their own data (Table 9)
@@ -557,6 +574,8 @@ class Simulation:
             "seen": sorted(self.seen),
             "ema": self.ema,
             "empty_streak": self.empty_streak,
+            "empty_rounds": self.empty_rounds,
+            "metrics_log": "".join(self.metrics_lines),
             "performance": self.performance,
             "performance_round": self.performance_round,
             "wall_s": wall,
@@ -597,6 +616,8 @@ class Simulation:
         self.seen = set(state["seen"])
         self.ema = state["ema"]
         self.empty_streak = state.get("empty_streak", 0)
+        self.empty_rounds = state.get("empty_rounds", self.empty_streak)  # older checkpoints kept only the streak
+        self._saved_metrics = state.get("metrics_log")  # None in checkpoints from before fedhet kept it
         self.performance = state.get("performance")
         self.performance_round = state.get("performance_round", 0)
         self._wall_before = state["wall_s"]
@@ -646,7 +667,7 @@ class Simulation:
         if resume and self.run_dir.is_dir():
             done = self.resume_state()
             if done is not None:
-                truncate_after(self.run_dir / "metrics.jsonl", done)
+                self.restore_metrics(done)
                 truncate_after(self.run_dir / "failures.jsonl", done)
                 truncate_after(self.run_dir / "sampling.jsonl", done)
                 write_json_atomic(self.run_dir / "config.json", self.resolved)  # e.g. run.rounds raised to extend it
@@ -666,6 +687,35 @@ class Simulation:
         write_json_atomic(self.run_dir / "config.json", self.resolved)
         self.record_environment(resumed_at=None)
         return 0
+
+    def restore_metrics(self, done: int) -> None:
+        """metrics.jsonl up to round ``done``, checked against the records the checkpoint holds: a file deleted,
+        emptied, cut short or edited is rebuilt from them, with a warning, so the finished file covers every round."""
+        path = self.run_dir / "metrics.jsonl"
+        try:
+            kept = [r for r in read_metrics(path) if r.get("round", 0) <= done]
+        except CorruptFile:
+            kept = None
+        saved = self._saved_metrics
+        if saved is None:  # a checkpoint from before fedhet kept the records: trust the file, as then
+            truncate_after(path, done)
+            self.metrics_lines = [to_json(r) + "\n" for r in read_metrics(path)]
+            return
+        self.metrics_lines = saved.splitlines(keepends=True)
+        want = [json.loads(line) for line in self.metrics_lines]
+        if kept == want:
+            truncate_after(path, done)
+            return
+        if not path.exists():
+            why = "is missing"
+        elif kept is None:
+            why = "is corrupt"
+        elif len(kept) != len(want):
+            why = f"holds {len(kept)} record(s) up to round {done} where the checkpoint has {len(want)}"
+        else:
+            why = "differs from the records in the checkpoint"
+        self.warn(f"{path} {why}: rebuilt from the checkpoint's {len(want)} record(s) up to round {done}")
+        write_text_atomic(path, saved)
 
     def check_nothing_lost(self) -> None:
         """Refuse to start over a run whose checkpoints are gone although it trained past the first one."""
@@ -687,13 +737,15 @@ class Simulation:
         path = self.run_dir / "provenance.json"
         now = {**environment(), "torch_threads": self.client_threads, "workers": self.workers}
         moved: list[str] = []
-        if resumed_at is None or not path.exists():
+        info = self.read_provenance(path) if resumed_at is not None else None
+        if info is None:
             info = {**now, "data": self.fed.provenance, "resumes": []}
+            if resumed_at is not None:
+                info["rewritten_at_round"] = resumed_at  # what ran before this resume is not known
         else:
-            info = read_json(path)
-            last = (info.get("resumes") or [info])[-1]  # where the run trained until now
+            last = (info["resumes"] or [info])[-1]  # where the run trained until now
             moved = [f"it continues on {change}" for change in environment_changes(last, now)]
-            info.setdefault("resumes", []).append({"round": resumed_at, **now})
+            info["resumes"].append({"round": resumed_at, **now})
         changes = self._rounding_changes + moved
         if changes:
             self.warn(
@@ -701,6 +753,21 @@ class Simulation:
                 "uninterrupted run bit for bit"
             )
         write_json_atomic(path, info)
+
+    def read_provenance(self, path: Path) -> dict[str, Any] | None:
+        """provenance.json as the run wrote it, or None (with a warning: it is rewritten) when it is damaged."""
+        if not path.exists():
+            self.warn(f"{path} is missing; rewritten with this machine's environment")
+            return None
+        try:
+            info = read_json(path, dict)
+            if isinstance(info.get("resumes", []), list) and all(isinstance(r, dict) for r in info.get("resumes", [])):
+                return {**info, "resumes": info.get("resumes", [])}
+            why = f"{path}: 'resumes' is not a list of records"
+        except CorruptFile as err:
+            why = str(err)
+        self.warn(f"{why}; rewritten with this machine's environment (what it recorded of earlier sessions is lost)")
+        return None
 
     def warn(self, text: str) -> None:
         self.console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
@@ -710,11 +777,28 @@ class Simulation:
         """Train to ``run.rounds`` (or stop after round ``stop_after``, used to test kill-and-resume).
 
         Raises ``RunFailed`` (after writing summary.json with the reason) when the run cannot go on: the global
-        model or server state turned non-finite, or ``run.max_empty_rounds`` rounds in a row had no client left."""
+        model or server state turned non-finite, ``run.max_empty_rounds`` rounds in a row had no client left, or
+        every round so far was empty; ``DiskFull`` (a ``RunFailed``) when a file of the run cannot be written."""
         try:
             return self._run(resume, overwrite, stop_after)
+        except OSError as err:
+            if err.errno not in DISK_FULL:
+                raise
+            raise self.disk_full(err, None) from None
         finally:
             self.executor.close()
+
+    def disk_full(self, err: OSError, at: int | str | None) -> DiskFull:
+        """The one-line error for a file that could not be written: where, the last round safely checkpointed, and
+        that ``fedhet resume`` continues once there is space."""
+        where = f" writing {err.filename}" if err.filename else f" under {self.run_dir}"
+        at = f" in round {at}" if isinstance(at, int) else f" {at or 'while preparing the run folder'}"
+        kept = self._saved_round
+        safe = f"round {kept} is safely checkpointed" if kept else "no round was checkpointed yet"
+        return DiskFull(
+            f"{err.strerror or 'cannot write'}{where}{at}: the run stopped; {safe}; free space and run "
+            f"fedhet resume {self.run_dir} to continue"
+        )
 
     def _run(self, resume: bool, overwrite: bool, stop_after: int | None) -> dict[str, Any]:
         done = self.prepare_dir(resume, overwrite)
@@ -732,6 +816,9 @@ class Simulation:
             self.sampling_log = MetricsLog(self.run_dir / "sampling.jsonl")
         rounds, started = self.cfg.run.rounds, time.perf_counter()
         last = stop_after if stop_after is not None else rounds
+        self.notes = self.training_notes()
+        for note in self.notes:
+            self.warn(note)
         with self._progress() as progress:
             task = progress.add_task(self.name, total=rounds, completed=done, acc="—")
             if self.on_round is not None:
@@ -742,43 +829,120 @@ class Simulation:
                     result = self.train_round(rnd, failures_log)
                     if rnd % self.cfg.run.eval_every == 0 or rnd == rounds:
                         record = self.evaluate(rnd, result, started)
-                        metrics_log.append(record)
+                        self.metrics_lines.append(metrics_log.append(record))
                         self.trackers.log(record)
                         progress.update(task, acc=f"{100 * record['test_acc']:.2f}%")
                     if rnd % self.cfg.run.checkpoint_every == 0 or rnd == last:
                         self.save_checkpoint(rnd, self._wall_before + time.perf_counter() - started)
                 except RunFailed as err:
-                    kept = self._saved_round
-                    note = f"the last checkpoint (round {kept}) is kept" if kept else "no checkpoint was written"
-                    self.write_summary(rnd - 1, started, status="failed", error=str(err))
-                    raise RunFailed(f"{err}; stopped, {note}") from None
+                    self.fail(rnd, started, err)
+                except OSError as err:
+                    if err.errno not in DISK_FULL:
+                        raise
+                    self.fail(rnd, started, self.disk_full(err, rnd))
                 progress.update(task, advance=1)
                 if self.on_round is not None:
                     self.on_round(rnd, record)
-        return self.write_summary(last, started)
+        try:
+            summary = self.write_summary(last, started)
+        except OSError as err:
+            if err.errno not in DISK_FULL:
+                raise
+            raise self.disk_full(err, "after the last round") from None
+        for note in summary.get("warnings", [])[len(self.notes) :]:  # those the rounds added
+            self.warn(note)
+        return summary
+
+    def fail(self, rnd: int, started: float, err: RunFailed) -> None:
+        """Write summary.json with status failed (if the disk still takes it) and raise the one-line error."""
+        if isinstance(err, DiskFull):
+            message = str(err)
+        else:
+            kept = self._saved_round
+            note = f"the last checkpoint (round {kept}) is kept" if kept else "no checkpoint was written"
+            message = f"{err}; stopped, {note}"
+        try:
+            self.write_summary(rnd - 1, started, status="failed", error=message)
+        except OSError as again:
+            if again.errno not in DISK_FULL:
+                raise
+            message += " (summary.json could not be written either)"
+        raise type(err)(message) from None
 
     def train_round(self, rnd: int, failures_log: MetricsLog) -> RoundResult:
         """Every phase of round ``rnd``; raises ``RunFailed`` when the run cannot go on."""
         cids = self.sample_clients(rnd)
-        empty = False
+        empty: list[str] = []  # the phases that lost every client
         for phase_idx, phase in enumerate(self.algo.phases):
             result = self.run_phase(rnd, phase_idx, phase, cids)
             for f in result.failures:
                 failures_log.append(f)
             if result.failures:
                 self.warn_dropped(rnd, phase, result)
-            empty = empty or not result.replies
+            if not result.replies:
+                empty.append(phase)
             bad = nonfinite({"global_params": self.algo.global_params, "global_buffers": self.algo.global_buffers})
             if bad:
                 raise RunFailed(f"round {rnd} ({phase}): the global model became non-finite ({', '.join(bad)})")
         self.empty_streak = self.empty_streak + 1 if empty else 0
+        self.empty_rounds += bool(empty)
+        self.check_trained(rnd, empty)
+        return result
+
+    def check_trained(self, rnd: int, empty: list[str]) -> None:
+        """Fail when ``run.max_empty_rounds`` rounds in a row were empty, or when the run's last round leaves it
+        with no round that any client finished (a run shorter than the limit must not end "finished" untrained)."""
+        if not empty:
+            return
         limit = self.cfg.run.max_empty_rounds
+        lost = "" if empty == ["train"] else f" (phase {', '.join(empty)} lost every client)"
+        errors = f"the errors are in {self.run_dir / 'failures.jsonl'}"
         if self.empty_streak >= limit:
             raise RunFailed(
-                f"no client finished round {rnd}{f' or the {limit - 1} before it' if limit > 1 else ''} "
-                f"(run.max_empty_rounds={limit}); the errors are in {self.run_dir / 'failures.jsonl'}"
+                f"no client finished round {rnd}{f' or the {limit - 1} before it' if limit > 1 else ''}{lost} "
+                f"(run.max_empty_rounds={limit}); {errors}"
             )
-        return result
+        if rnd == self.cfg.run.rounds and self.empty_rounds == rnd:
+            raise RunFailed(f"no client finished any of the run's {rnd} round(s){lost}, so nothing trained; {errors}")
+
+    def training_notes(self) -> list[str]:
+        """What the run will not train on or cannot measure, known before it starts: said at the start and kept
+        in summary.json, so a run that trains on (almost) nothing never ends as if it had trained."""
+        notes = []
+        sizes = [len(c.y) for c in self.fed.clients]
+        if not any(sizes):
+            return notes  # the data are on the nodes (Flower)
+        idle = sum(n == 0 for n in sizes)
+        if idle:
+            notes.append(f"{idle} of {len(sizes)} clients hold no training samples and drop out whenever sampled")
+        total, batch = sum(sizes), self.cfg.train.batch_size
+        if total < len(sizes) * batch:
+            fraction = self.cfg.dataset.train_fraction
+            kept = f" (dataset.train_fraction={fraction:g})" if fraction < 1 else ""
+            notes.append(
+                f"the clients hold {total} training samples in all{kept}, less than one batch of "
+                f"{batch} per client: the run trains on almost nothing"
+            )
+        return notes
+
+    def round_notes(self, rounds_done: int) -> list[str]:
+        """What the rounds so far left untrained: empty rounds, personalised models never trained."""
+        notes = []
+        if self.empty_rounds:
+            notes.append(
+                f"{self.empty_rounds} of {rounds_done} round(s) had no client finish (a phase lost every client); "
+                "the model did not change in those rounds"
+            )
+        if self.algo.personalized and rounds_done:
+            never = self.fed.num_clients - len(self.seen)
+            if never == self.fed.num_clients:
+                notes.append("no client ever trained, so no personalised model exists")
+            elif never:
+                notes.append(
+                    f"{never} of {self.fed.num_clients} clients never trained: they have no personalised model "
+                    "and are not in the personalised accuracy"
+                )
+        return notes
 
     def warn_dropped(self, rnd: int, phase: str, result: RoundResult) -> None:
         n = len(result.failures) + len(result.replies)
@@ -814,8 +978,12 @@ class Simulation:
             "seed": self.cfg.run.seed,
             "final": records[-1] if records else {},
             "best_test_acc": max(accs) if accs else None,
+            "empty_rounds": self.empty_rounds,
             "wall_time_s": round(self._wall_before + time.perf_counter() - started, 3),
         }
+        warnings = self.notes + self.round_notes(last + 1 if status == "failed" else last)  # a failed round counts
+        if warnings:
+            summary["warnings"] = warnings
         if error:
             summary["error"] = error
         write_json_atomic(self.run_dir / "summary.json", summary)

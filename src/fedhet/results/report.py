@@ -73,6 +73,8 @@ class Row:
     rounds: tuple[int, int]  # (fewest, most) rounds reached by a seed
     # OPTIONAL_COLUMNS: (mean, std) of the finals over seeds
     extras: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+    empty_rounds: int = 0  # rounds, over all seeds, that no client finished (summary.json)
+    failed: int = 0  # seeds whose run ended with status "failed"
 
 
 # Personalised and fairness metrics shown as extra columns when some run recorded them. Personalisation that
@@ -109,8 +111,8 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
 
 def load_run(folder: Path) -> Run:
     summary_path = folder / "summary.json"
-    summary = read_json(summary_path) if summary_path.exists() else {}
-    return Run(folder, read_json(folder / "config.json"), read_metrics(folder / "metrics.jsonl"), summary)
+    summary = read_json(summary_path, dict) if summary_path.exists() else {}
+    return Run(folder, read_json(folder / "config.json", dict), read_metrics(folder / "metrics.jsonl"), summary)
 
 
 def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
@@ -291,6 +293,8 @@ def summary_row(group: Group, metric: str) -> Row:
         personal_acc_macro=mean([r.final("personal_acc_macro") for r in runs]),
         rounds=(min(rounds), max(rounds)),
         extras={key: mean_std([r.final(key) for r in runs]) for key in OPTIONAL_COLUMNS},
+        empty_rounds=sum(int(r.summary.get("empty_rounds") or 0) for r in runs),
+        failed=sum(r.summary.get("status") == "failed" for r in runs),
     )
 
 
@@ -314,6 +318,13 @@ def table_cells(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
     extras = [k for k in OPTIONAL_COLUMNS if any(r.extras.get(k, (None,))[0] is not None for r in rows)]
     header += [OPTIONAL_COLUMNS[k] for k in extras]
     header.append("rounds")
+    # how far to trust a row: shown only where some run lost rounds or failed
+    trouble = [
+        name
+        for name, key in (("empty rounds", "empty_rounds"), ("failed", "failed"))
+        if any(getattr(r, key) for r in rows)
+    ]
+    header += trouble
     cells = []
     for r in rows:
         line = [r.label, str(r.seeds), fmt(r.final_mean, r.final_std, metric=metric), fmt(r.best_mean, metric=metric)]
@@ -323,6 +334,7 @@ def table_cells(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
         line += [fmt(*r.extras.get(k, (None, None)), metric=k) for k in extras]
         low, high = r.rounds
         line.append(str(high) if low == high else f"{low}–{high}")
+        line += [str(r.empty_rounds if name == "empty rounds" else r.failed) for name in trouble]
         cells.append(line)
     return header, cells
 

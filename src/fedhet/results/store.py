@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from fedhet.errors import FedhetError
+from fedhet.errors import CorruptFile
 
 
 class MetricsLog:
@@ -29,7 +29,8 @@ class MetricsLog:
             warnings.warn(f"{self.path}: dropping a torn last line left by a crash", stacklevel=2)
             _rewrite_lines(self.path, read_metrics(self.path))
 
-    def append(self, record: dict) -> None:
+    def append(self, record: dict) -> str:
+        """Write ``record`` as one line; returns the line."""
         if "round" not in record:
             raise ValueError("a metrics record needs a 'round'")
         line = to_json(record) + "\n"
@@ -37,6 +38,7 @@ class MetricsLog:
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
+        return line
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -53,7 +55,7 @@ def read_metrics(path: str | Path) -> list[dict]:
             records.append(json.loads(line))
         except json.JSONDecodeError as exc:
             if number < len(lines):
-                raise FedhetError(f"{path}:{number}: corrupt metrics record ({exc.msg})") from None
+                raise CorruptFile(f"{path}:{number}: corrupt metrics record ({exc.msg})") from None
             warnings.warn(f"{path}: skipping a torn last line (a crash mid-write?)", stacklevel=2)
     return records
 
@@ -74,8 +76,21 @@ def write_json_atomic(path: str | Path, obj: Any) -> None:
     _replace_atomic(path, text)
 
 
-def read_json(path: str | Path) -> Any:
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+def write_text_atomic(path: str | Path, text: str) -> None:
+    _replace_atomic(Path(path), text)
+
+
+def read_json(path: str | Path, kind: type | None = None) -> Any:
+    """A JSON document; one that cannot be read or parsed (or is not a ``kind``) raises ``CorruptFile`` naming the
+    file, never a decoder traceback."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CorruptFile(f"{path}: unreadable ({err})") from None
+    if kind is not None and not isinstance(value, kind):
+        raise CorruptFile(f"{path}: expected a JSON {'object' if kind is dict else kind.__name__}")
+    return value
 
 
 def _rewrite_lines(path: Path, records: list[dict]) -> None:
