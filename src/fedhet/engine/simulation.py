@@ -832,6 +832,7 @@ class Simulation:
                         self.metrics_lines.append(metrics_log.append(record))
                         self.trackers.log(record)
                         progress.update(task, acc=f"{100 * record['test_acc']:.2f}%")
+                        self.log_line(record)
                     if rnd % self.cfg.run.checkpoint_every == 0 or rnd == last:
                         self.save_checkpoint(rnd, self._wall_before + time.perf_counter() - started)
                 except RunFailed as err:
@@ -990,6 +991,22 @@ class Simulation:
         self.trackers.finish(summary)
         return summary
 
+    @property
+    def interactive(self) -> bool:
+        """The console redraws a progress bar: a terminal or a notebook."""
+        return self.console.is_terminal or self.console.is_jupyter
+
+    def log_line(self, record: dict[str, Any]) -> None:
+        """Where the console is not a terminal (a log file, a pipe), the bar cannot redraw: one line per evaluation
+        instead, so a long run is never silent until it ends."""
+        if not self.cfg.run.progress or self.interactive:
+            return
+        loss = record.get("train_loss")
+        text = f"{self.name}: round {record['round']}/{self.cfg.run.rounds}, test_acc {100 * record['test_acc']:.2f}%"
+        text += f", train_loss {loss:.4g}" if loss is not None else ""
+        text += f", {record['clients']} clients, {record['elapsed_s']:.1f} s"
+        self.console.print(escape(text), highlight=False, soft_wrap=True)
+
     def _progress(self) -> Progress:
         return Progress(
             TextColumn("[bold]{task.description}"),
@@ -998,6 +1015,6 @@ class Simulation:
             TextColumn("acc {task.fields[acc]}"),
             TimeElapsedColumn(),
             console=self.console,
-            disable=not self.cfg.run.progress,
+            disable=not (self.cfg.run.progress and self.interactive),  # else log_line's lines
             transient=False,
         )
