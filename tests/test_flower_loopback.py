@@ -191,3 +191,19 @@ def test_records_have_flower_conventions():
     content = codec.encode_reply(Reply(num_examples=12, metrics={"train_loss": 0.5}))
     assert isinstance(content[codec.METRICS], MetricRecord) and content[codec.METRICS]["num-examples"] == 12
     assert isinstance(codec.encode_message(Message(), {"cid": 1})[codec.META], ConfigRecord)
+
+
+def test_under_flwr_run_a_run_folder_in_use_is_one_logged_line_in_run_config_terms(tiny_config, tmp_path, caplog):
+    from fedhet.flower.app import AppFailed
+
+    app = write_app(make_cfg(tiny_config, "taken"), tmp_path / "app")
+    grid = LoopbackGrid(folder_client_app(app), TWO_NODES)
+    folder_server_app(app)(grid=grid, context=Context(1, 0, {}, RecordDict(), {}))
+    grid = LoopbackGrid(folder_client_app(app), TWO_NODES)
+    with pytest.raises(AppFailed) as caught:
+        folder_server_app(app)(grid=grid, context=Context(2, 0, {}, RecordDict(), {}))
+    assert caught.value.__cause__ is None and caught.value.__context__ is None or caught.value.__suppress_context__
+    message = str(caught.value)
+    assert "already holds a run; pass --run-config 'resume=true' to continue it" in message
+    assert "--run-config 'overwrite=true' to replace it" in message and "--resume " not in message
+    assert any(r.getMessage() == f"fedhet: {message}" for r in caplog.records)

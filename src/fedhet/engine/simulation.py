@@ -306,6 +306,9 @@ def resolve_workers(cfg: Config) -> int:
 class Simulation:
     """One run: ``Simulation(cfg).run()`` trains, evaluates and writes the run folder."""
 
+    # how the user asks to continue or replace a run folder, as messages word it (the Flower app says it its way)
+    flags = {"resume": "--resume", "overwrite": "--overwrite"}
+
     def __init__(
         self,
         cfg: Config,
@@ -606,7 +609,7 @@ class Simulation:
             if problems:
                 raise CheckpointError(
                     f"cannot resume {self.run_dir}: no usable checkpoint ({'; '.join(problems)}); "
-                    "start again with --overwrite (this deletes the run folder)"
+                    f"start again with {self.flags['overwrite']} (this deletes the run folder)"
                 )
             return None
         state = loaded.state
@@ -631,7 +634,7 @@ class Simulation:
         if changed:
             raise ConfigError(
                 f"cannot resume {self.run_dir}: its config differs from this one in {', '.join(changed)}; "
-                f"use a new run name or --overwrite (only {', '.join(RESUMABLE_CHANGES)} may change)"
+                f"use a new run name or {self.flags['overwrite']} (only {', '.join(RESUMABLE_CHANGES)} may change)"
             )
         if state["round"] > self.cfg.run.rounds:
             raise ConfigError(
@@ -679,8 +682,8 @@ class Simulation:
             truncate_after(self.run_dir / "sampling.jsonl", 0)
         elif holds_run(self.run_dir):
             raise ConfigError(
-                f"run folder {str(self.run_dir)!r} already holds a run; pass --resume to continue "
-                "it, --overwrite to replace it, or choose another run.name"
+                f"run folder {str(self.run_dir)!r} already holds a run; pass {self.flags['resume']} to continue "
+                f"it, {self.flags['overwrite']} to replace it, or choose another run.name"
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.executor.reset()  # a fresh run sees the client states of round 0: none, whatever a crash left
@@ -726,7 +729,7 @@ class Simulation:
         if last > every:
             raise CheckpointError(
                 f"cannot resume {self.run_dir}: metrics.jsonl goes to round {last} but checkpoints/ holds no "
-                "checkpoint (deleted?), so nothing can continue it; start again with --overwrite (this deletes the "
+                f"checkpoint (deleted?), so nothing can continue it; start again with {self.flags['overwrite']} (this deletes the "
                 "run folder) or use a new run name"
             )
 

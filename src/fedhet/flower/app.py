@@ -17,15 +17,18 @@ from __future__ import annotations
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
+from logging import ERROR
 from pathlib import Path
 from typing import Any
 
 from flwr.app import Context
 from flwr.clientapp import ClientApp
+from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from rich.console import Console
 
 from fedhet.config import Config, load_config
+from fedhet.errors import FedhetError
 from fedhet.flower.client import make_client_app
 from fedhet.flower.server import Exchange, FlowerExecutor, discover, server_federation
 
@@ -48,6 +51,8 @@ class RunOptions:
     round_timeout: float = 0.0
     node_wait: float = 600.0
     accept_state_loss: bool = False
+    # how messages tell the user to continue or replace a run folder: fedhet's flags, or Flower's run config
+    flags: tuple[str, str] = ("--resume", "--overwrite")
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> RunOptions:
@@ -58,6 +63,7 @@ class RunOptions:
             round_timeout=float(rc["round-timeout"]),
             node_wait=float(rc["node-wait"]),
             accept_state_loss=bool(rc["accept-state-loss"]),
+            flags=("--run-config 'resume=true'", "--run-config 'overwrite=true'"),
         )
 
 
@@ -78,18 +84,34 @@ def run_server(grid: Grid, cfg: Config, options: RunOptions, console: Console | 
         accept_state_loss=options.accept_state_loss,
     )
     sim = Simulation(cfg, fed=server_federation(cfg, nodes), console=console, executor=executor)
+    sim.flags = dict(zip(("resume", "overwrite"), options.flags, strict=True))
     return sim.run(resume=options.resume, overwrite=options.overwrite)
+
+
+class AppFailed(Exception):
+    """A fedhet ServerApp that stopped on a user-facing error (already logged as one line)."""
 
 
 def make_server_app(
     load_config: Callable[[Context], Config],
     load_options: Callable[[dict[str, Any]], RunOptions] = RunOptions.from_run_config,
+    deployed: bool = False,
 ) -> ServerApp:
+    """The ServerApp; ``deployed`` (under ``flwr run``) logs a fedhet error as one line instead of raising it to
+    the caller (``fedhet flower simulate`` prints it itself)."""
     app = ServerApp()
 
     @app.main()
     def _main(grid: Grid, context: Context) -> None:
-        run_server(grid, load_config(context), load_options(dict(context.run_config)))
+        try:
+            run_server(grid, load_config(context), load_options(dict(context.run_config)))
+        except FedhetError as err:
+            if not deployed:
+                raise
+            # One line in the run's log, then a failure Flower records (`flwr ls` shows the run failed), raised here
+            # so that its traceback is this frame only, never fedhet's internals.
+            log(ERROR, "fedhet: %s", err)
+            raise AppFailed(str(err)) from None
 
     return app
 
@@ -107,7 +129,7 @@ def folder_config_loader(app_dir: Path) -> Callable[[Context], Config]:
 
 def folder_server_app(app_dir: str | Path) -> ServerApp:
     """The ServerApp of an app folder written by ``fedhet flower app``."""
-    return make_server_app(folder_config_loader(Path(app_dir)))
+    return make_server_app(folder_config_loader(Path(app_dir)), deployed=True)
 
 
 def folder_client_app(app_dir: str | Path) -> ClientApp:
