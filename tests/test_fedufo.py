@@ -433,3 +433,96 @@ def test_a_single_phase_configuration_logs_its_cross_entropy(tiny_config):
     sim.run()
     (record,) = read_metrics(sim.run_dir / "metrics.jsonl")
     assert record["fedufo_ce_loss"] == pytest.approx(record["train_loss"], rel=1e-6)
+
+
+# ------------------------------------------------------------------------ disc_mode (issue 30)
+def spy_phase_b_disc(monkeypatch):
+    """(round, client, D's parameters at the start of phase B, D's parameters in the reply) for every posterior."""
+    seen = []
+    before, after = ufo.FedUFO.before_local, ufo.FedUFO.after_local
+
+    def spy_before(self, ctx):
+        before(self, ctx)
+        if ctx.phase == "posterior":
+            ctx.scratch["spy_start"] = ctx.flat.params[self.disc_slice()].clone()
+
+    def spy_after(self, ctx):
+        reply = after(self, ctx)
+        if ctx.phase == "posterior":
+            seen.append((ctx.round, ctx.cid, ctx.scratch["spy_start"], reply.tensors["params"][self.disc_slice()]))
+        return reply
+
+    monkeypatch.setattr(ufo.FedUFO, "before_local", spy_before)
+    monkeypatch.setattr(ufo.FedUFO, "after_local", spy_after)
+    return seen
+
+
+def test_fresh_disc_mode_starts_every_phase_b_from_a_fresh_d_drawn_from_the_rounds_seed(tiny_config, monkeypatch):
+    from fedhet.engine.local import derive_seed
+    from fedhet.models.discriminator import ClientDiscriminator
+
+    seen = spy_phase_b_disc(monkeypatch)
+    algo = {"name": "fedufo", "stage1_rounds": 1, "disc_mode": "fresh"}
+    cfg = tiny_config(run={"name": "fresh", "rounds": 3, "executor": "sequential"}, algorithm=algo)
+    sim = Simulation(cfg)
+    before = build_training(sim.cfg, sim.fed).algo.global_params
+    sim.run()
+    disc = sim.algo.disc_slice()
+    model = sim.model
+    assert len({rnd for rnd, *_ in seen}) == 3 and len(seen) > 3
+    starts = []
+    for rnd, cid, start, sent in seen:
+        # by hand: the client's seed of the round (run seed, round, client, phase index 1), then D's own init
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(ufo.fresh_disc_seed(derive_seed(cfg.run.seed, rnd, cid, 1)))
+            fresh = ClientDiscriminator(model.embedding_dim, 6)
+        expected = torch.cat([p.detach().reshape(-1) for p in fresh.parameters()])
+        assert torch.equal(start, expected), (rnd, cid)
+        assert torch.equal(sent, before[disc])  # dropped: the reply carries the global D back
+        starts.append(start)
+    assert not any(torch.equal(a, b) for i, a in enumerate(starts) for b in starts[i + 1 :])  # per client, per round
+    assert torch.equal(sim.algo.global_params[disc], before[disc])  # the server's D never moves
+    records = read_metrics(sim.run_dir / "metrics.jsonl")
+    assert all(r["fedufo_disc_loss"] > 0 for r in records)  # still trained after the model (Eq. 5), then dropped
+    assert not torch.equal(sim.algo.global_params[: disc.start], before[: disc.start])
+
+
+def test_frozen_disc_mode_leaves_d_unchanged_after_a_round(tiny_config, monkeypatch):
+    seen = spy_phase_b_disc(monkeypatch)
+    algo = {"name": "fedufo", "stage1_rounds": 1, "disc_mode": "frozen"}
+    sim = Simulation(tiny_config(run={"name": "frozen", "rounds": 2, "executor": "sequential"}, algorithm=algo))
+    before = build_training(sim.cfg, sim.fed).algo.global_params
+    sim.run()
+    disc = sim.algo.disc_slice()
+    assert seen and all(torch.equal(s, before[disc]) and torch.equal(r, before[disc]) for _, _, s, r in seen)
+    assert torch.equal(sim.algo.global_params[disc], before[disc])
+    records = read_metrics(sim.run_dir / "metrics.jsonl")
+    assert all(r["fedufo_disc_loss"] == 0.0 and r["fedufo_uad_loss"] > 0 for r in records)
+    assert not torch.equal(sim.algo.global_params[: disc.start], before[: disc.start])
+
+
+def test_federated_disc_mode_is_the_default_and_trains_the_averaged_d(tiny_config):
+    assert ufo.FedUFOConfig().disc_mode == "federated"
+    sim = Simulation(tiny_config(run={"name": "fed", "rounds": 1}, algorithm={"name": "feduad"}))
+    before = build_training(sim.cfg, sim.fed).algo.global_params
+    sim.run()
+    disc = sim.algo.disc_slice()
+    assert not torch.equal(sim.algo.global_params[disc], before[disc])
+
+
+@pytest.mark.parametrize("mode", ["fresh", "frozen"])
+def test_disc_mode_needs_a_federated_discriminator(mode):
+    with pytest.raises(ConfigError, match="needs the discriminator"):
+        ALGORITHMS.parse("fedufo_cgl", {"disc_mode": mode})
+    with pytest.raises(ConfigError, match="keeps no D across rounds"):
+        ALGORITHMS.parse("fedufo", {"disc_mode": mode, "discriminator": "private"})
+
+
+def test_fresh_discriminator_leaves_the_global_stream_alone():
+    torch.manual_seed(5)
+    a = ufo.fresh_discriminator(7, 5, 4, None, 2)
+    after = torch.rand(1)
+    torch.manual_seed(5)
+    assert torch.equal(torch.rand(1), after)
+    assert torch.equal(a, ufo.fresh_discriminator(7, 5, 4, None, 2))
+    assert a.numel() == 5 * 5 + 5 + 5 * 4 + 4

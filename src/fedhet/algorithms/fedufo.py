@@ -38,7 +38,8 @@ code exists (the repositories named FedUFO on GitHub are unrelated, notes sec. 1
   prior and posterior use the same optimiser and local epochs (2.5.2; ``prior_epochs`` sets the prior's);
 * D is a federated component averaged with the model (2.5.3; ``discriminator = "private"`` keeps one per client as
   client state, as FedRoD's personal head; the notes' third reading, a server-held D, is not offered since nothing
-  would train it); it keeps training in stage two (2.5.5, ``disc_in_stage_two``); it trains after the model in each
+  would train it); ``disc_mode`` (below) offers two readings in which D never carries over; it keeps training in
+  stage two (2.5.5, ``disc_in_stage_two``); it trains after the model in each
   round for ``disc_epochs`` = 1 epoch with the loop's SGD settings and the round's lr but no gradient clipping
   (2.5.4), on features computed once per round in eval mode (the model is frozen then, so they are constants);
   ``disc_schedule = "step"`` alternates per mini-batch instead (one D step on each batch right after the model's
@@ -53,6 +54,19 @@ code exists (the repositories named FedUFO on GitHub are unrelated, notes sec. 1
   batch's indices (``ctx.batch``; notes 8.14); with augmentation they are computed for every mini-batch;
 * the stage lengths are not given (2.5.6): ``stage1_rounds`` = 50 is ours (Fig. 3 shows the CGL variants, "all"
   included, apart from FedAvg within the first 100 MNIST rounds, so stage one is shorter); stage two is the rest.
+
+``disc_mode`` says what D is from round to round (issue 30; docs/reproductions/fedufo.md has the evidence):
+
+* ``"federated"`` (default, the paper-literal reading above): D is averaged with the model and carried across rounds,
+  so each round's UAD loss pushes the features against the D that all earlier rounds trained;
+* ``"fresh"``: a new D per client per round, trained after the model and never reused (the literal reading of the
+  paper's per-round, per-client w^d_{t,k}, and what public unofficial reimplementations do). At the start of every
+  round's phase B the client's D is a fresh initialisation (``ClientDiscriminator``'s own init, torch's default for
+  ``nn.Linear``) drawn from the client's seed of that round (``fresh_disc_seed``); the model trains against it,
+  then it trains on Eq. 5 (its loss is reported), and it is dropped: the reply carries the global D back and the
+  server keeps its D as it is. So the UAD loss always reads an untrained D;
+* ``"frozen"``: D is never trained (every round reads the initial D; the server's D stays bit for bit as it was).
+  With ``disc_epochs = 0`` the federated reading behaves the same up to the float rounding of the average.
 
 Presets (Tables 1, 3-5, all without dynamic sampling, which is the engine's client sampler): ``fedufo`` (= "all",
 two stages), ``feduad`` (= "+uad": CE + UAD in every round), ``fedufo_cls`` (= FedAvg), ``fedufo_cgr``,
@@ -73,7 +87,7 @@ from torch.func import functional_call
 from fedhet.algorithms.base import ALGORITHMS, ClientContext, Message, Reply, Setup, weighted_sum
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedhet.engine.flat import FlatModel
-from fedhet.engine.local import FlatSGD, batch_indices, num_local_steps
+from fedhet.engine.local import FlatSGD, batch_indices, derive_seed, num_local_steps
 from fedhet.models.discriminator import ClientDiscriminator
 
 if TYPE_CHECKING:
@@ -83,6 +97,7 @@ if TYPE_CHECKING:
 DISC = "discriminator"  # the attribute prepare_federated_model attaches; its parameters come last in the flat vector
 PROB_FLOOR = 1e-12  # reverse KL takes log of the target: an l1-fused class absent from the group would be log 0
 CHUNK = 1024  # samples per teacher pass over a client's data (bounds the memory of a large client)
+FRESH_DISC_TAG = 0xD15C  # disc_mode "fresh": the stream a fresh D is drawn from, apart from the client's own streams
 
 
 class FedUFOConfig(FedAvgConfig):  # weighting "samples": "weighted aggregation" as FedAvg (notes 2.5.13)
@@ -118,11 +133,19 @@ class FedUFOConfig(FedAvgConfig):  # weighting "samples": "weighted aggregation"
     kl_direction: Literal["forward", "reverse"] = "forward"
     # proposal, notes 2.5.7: "batchmean" sums over classes and averages over samples; "mean" also divides by C
     kl_reduction: Literal["batchmean", "mean"] = "batchmean"
+    # issue 30: what D is from round to round. "federated" (paper-literal, default): averaged with the model and
+    # carried across rounds; "fresh": a new D per client per round (fresh init from the client's round seed), trained
+    # after the model and never reused; "frozen": never trained, the initial D in every round
+    disc_mode: Literal["federated", "fresh", "frozen"] = "federated"
 
     @model_validator(mode="after")
     def _prior_init_needs_priors(self) -> FedUFOConfig:
         if self.posterior_init == "prior" and not (self.uad or self.cgr):
             raise ValueError("posterior_init='prior' needs the prior phase, i.e. uad=true or cgr=true")
+        if self.disc_mode != "federated" and not self.uad:
+            raise ValueError(f"disc_mode={self.disc_mode!r} needs the discriminator, i.e. uad=true")
+        if self.disc_mode != "federated" and self.discriminator == "private":
+            raise ValueError(f"disc_mode={self.disc_mode!r} keeps no D across rounds: use discriminator='federated'")
         return self
 
 
@@ -168,6 +191,23 @@ def discriminator_loss(
     return ce[0] + ce[1:].sum() / (m - 1) if m > 1 else ce[0]
 
 
+def fresh_disc_seed(client_seed: int) -> int:
+    """disc_mode "fresh": the seed of the D a client draws in a round, from that client's seed of the round (the
+    engine's derive_seed(run seed, round, client, phase), ``ctx.generator.initial_seed()``)."""
+    return derive_seed(client_seed, FRESH_DISC_TAG)
+
+
+def fresh_discriminator(
+    seed: int, in_dim: int, num_clients: int, hidden: int | None, layers: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """The flat parameters of a ClientDiscriminator initialised from ``seed`` (its parameters' order, which is the
+    order of D's slice of the flat vector). The global torch stream is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        disc = ClientDiscriminator(in_dim, num_clients, hidden, layers)
+    return torch.cat([p.detach().reshape(-1) for p in disc.parameters()]).to(device)
+
+
 def unflatten(vec: torch.Tensor, layout: list[tuple[str, torch.Size]]) -> dict[str, torch.Tensor]:
     """Named views into a flat vector, in the layout's order."""
     out, offset = {}, 0
@@ -209,7 +249,9 @@ def mean_loss_terms(replies: dict[int, Reply]) -> dict[str, float]:
 
 @ALGORITHMS.register(
     "fedufo",
-    "FedUFO (Zhang et al. 2021): CE + UAD (client-ID discriminator) then + group and global consensus losses",
+    "FedUFO (Zhang et al. 2021): CE + UAD (client-ID discriminator) then + group and global consensus losses; "
+    "disc_mode: federated (paper-literal: D averaged, carried across rounds) | fresh (new D per client per round, "
+    "never reused) | frozen (D never trained)",
     FedUFOConfig,
 )
 class FedUFO(FedAvg):
@@ -268,10 +310,12 @@ class FedUFO(FedAvg):
             self._priors = dict(replies)  # relayed by configure("posterior"); the global model does not move
             return {}
         self._losses = mean_loss_terms(replies)
-        keep = self.disc_slice() if self.config.discriminator == "private" else None
+        c = self.config
+        keep = self.disc_slice() if c.discriminator == "private" or c.disc_mode != "federated" else None
         if keep is None:
             return super().aggregate(rnd, replies, phase)
-        # A private D never leaves its client: the global D slice (every client's initial D) stays as it is.
+        # A private D never leaves its client, a fresh one is dropped and a frozen one never moves: the global D
+        # slice (every client's initial D) stays as it is.
         weights = self.aggregation_weights(replies)
         target = weighted_sum([r.tensors["params"] for r in replies.values()], weights)
         target[keep] = self.global_params[keep]
@@ -329,6 +373,8 @@ class FedUFO(FedAvg):
             own = ctx.state.get(DISC)
             if disc is not None and self.config.discriminator == "private" and own is not None:
                 ctx.flat.params[disc] = own
+            if disc is not None and self.config.disc_mode == "fresh":
+                ctx.flat.params[disc] = self.fresh_disc(ctx)
             ctx.scratch["ufo_losses"] = {}  # the loss terms of this phase's steps, summed (reply metrics)
             ctx.scratch["ufo_targets"] = self.cached_targets(ctx)
         if disc is not None:  # D is frozen while the model trains, in both phases
@@ -338,6 +384,14 @@ class FedUFO(FedAvg):
                 ctx.scratch["ufo_disc_loss"] = 0.0
                 if ctx.augment is None:  # the other members' features of every local sample, once per round
                     ctx.scratch["ufo_others"] = self.other_features(ctx, ctx.data.x)
+
+    def fresh_disc(self, ctx: ClientContext) -> torch.Tensor:
+        """disc_mode "fresh": this client's new D for this round, from its round seed."""
+        c = self.config
+        seed = fresh_disc_seed(ctx.generator.initial_seed())
+        return fresh_discriminator(
+            seed, ctx.model.embedding_dim, self.setup.num_clients, c.disc_hidden, c.disc_layers, ctx.flat.params.device
+        )
 
     def cached_targets(self, ctx: ClientContext) -> dict[str, torch.Tensor]:
         """The consensus targets of every local sample, computed once per round (notes 8.14). With augmentation a
@@ -446,6 +500,8 @@ class FedUFO(FedAvg):
         if disc is not None and self.config.discriminator == "private":
             ctx.state[DISC] = ctx.flat.params[disc].clone()
             ctx.flat.params[disc] = ctx.global_params[disc]  # a private D never leaves the client
+        if disc is not None and self.config.disc_mode == "fresh":
+            ctx.flat.params[disc] = ctx.global_params[disc]  # a fresh D is dropped after its round
         reply = super().after_local(ctx)
         steps = max(ctx.steps, 1)
         reply.metrics.update({f"{k}_loss": v / steps for k, v in ctx.scratch["ufo_losses"].items()})
@@ -454,9 +510,12 @@ class FedUFO(FedAvg):
         return reply
 
     def trains_disc(self, ctx: ClientContext) -> bool:
-        """Whether D trains in this round (it exists, and stage two lets it unless disc_in_stage_two is false)."""
+        """Whether D trains in this round: it exists, disc_mode is not "frozen", and stage two lets it unless
+        disc_in_stage_two is false."""
         c = self.config
-        return self.disc_slice() is not None and (c.disc_in_stage_two or not self.in_stage_two(ctx.round))
+        if self.disc_slice() is None or c.disc_mode == "frozen":
+            return False
+        return c.disc_in_stage_two or not self.in_stage_two(ctx.round)
 
     def own_features(self, ctx: ClientContext, x: torch.Tensor) -> torch.Tensor:
         """The posterior's features of x as constants: eval mode (no dropout, running statistics as they are)."""
