@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -62,6 +63,9 @@ class RunSection(_Strict):
     # expectation, client_dist_acc, is always logged
     client_dist_sampled: bool = False
     client_dist_sample_size: int | None = Field(None, ge=1)  # None: as many as the client's training samples
+    # each client's Reply.metrics per evaluated round in client_metrics.jsonl (their mean/min/max/weighted mean
+    # always go to metrics.jsonl); changes no number
+    client_metrics: bool = False
     # plug-ins that register components from outside fedhet (fedhet/plugins.py): .py files (absolute once built;
     # in a TOML file relative to its folder) or module names; installed entry points need no mention
     plugins: list[str] = []
@@ -271,6 +275,10 @@ class TrackingSection(_Strict):
         return no_nul(value)
 
 
+# path bytes kept free under a run folder for the files written in it (checkpoints/.ckpt-XXXXXXXX.tmp, ...)
+RUN_FILES_RESERVE = 64
+
+
 class Config(_Strict):
     run: RunSection = RunSection()
     dataset: DatasetSection = DatasetSection()
@@ -300,6 +308,31 @@ class Config(_Strict):
             raise ValueError(
                 f"train.clients_per_round={self.train.clients_per_round} exceeds partition.num_clients={n}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _run_folder_fits(self, info: ValidationInfo) -> Config:
+        # run.out_dir/run.name is made as a folder: a name longer than its file system allows (OSError: File name
+        # too long, deep in the run) is refused here; for a config that runs elsewhere, against the common limits
+        from fedhet.paths import limits, name_problem, quoted
+
+        here = (info.context or {}).get("runs_here", True)
+        out_dir = self.run.out_dir
+        problem = name_problem(out_dir, here)
+        if problem:
+            raise ValueError(f"run.out_dir {quoted(out_dir)} {problem}")
+        name = self.run.name or self.default_name()
+        name_max, _ = limits(out_dir, here)
+        size = len(os.fsencode(name))
+        if size > name_max:
+            setting = "run.name" if self.run.name else "the run's name (derived from the components; set run.name)"
+            raise ValueError(
+                f"{setting} {shown(name, 40)} is {size} bytes long; the file system of run.out_dir "
+                f"{quoted(os.path.abspath(out_dir))} allows at most {name_max} bytes per folder name (PC_NAME_MAX)"
+            )
+        problem = name_problem(Path(out_dir) / name, here, reserve=RUN_FILES_RESERVE)
+        if problem:
+            raise ValueError(f"the run folder {quoted(Path(out_dir) / name)} {problem}")
         return self
 
     def clients_per_round(self) -> int:
@@ -367,20 +400,25 @@ def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+# a config file is a few kB; anything over this is not one (and is refused before it is read)
+MAX_CONFIG_BYTES = 1_000_000
+
+
 def load_raw(path: str | Path | None) -> dict[str, Any]:
     if path is None:
         return {}
-    p = Path(path)
+    from fedhet.paths import check_input_file
+
+    # a regular file of sane size, checked before it is opened: a FIFO would hang, /dev/zero fill the memory
+    p = check_input_file(path, "config file", max_bytes=MAX_CONFIG_BYTES, noun="TOML file")
     name = shown(str(p), 200)
-    if not p.exists():
-        raise ConfigError(f"config file {name} does not exist")
-    if p.is_dir():
-        raise ConfigError(f"config file {name} is a folder, not a TOML file")
     try:
         with p.open("rb") as fh:
-            data = fh.read()
+            data = fh.read(MAX_CONFIG_BYTES + 1)
     except OSError as err:
         raise ConfigError(f"config file {name} cannot be read: {err.strerror or err}") from None
+    if len(data) > MAX_CONFIG_BYTES:  # it grew since it was checked
+        raise ConfigError(f"config file {name} is larger than a TOML file may be ({MAX_CONFIG_BYTES} bytes)")
     try:
         text = data.decode("utf-8-sig")  # TOML is UTF-8; a byte-order mark from an editor is harmless
     except UnicodeDecodeError as err:
@@ -426,7 +464,9 @@ def load_config(
 
 def saved_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> Config:
     """The config a run folder was started with, placed where the folder is now (it may have been moved)."""
-    folder = Path(run_dir)
+    from fedhet.paths import check_folder
+
+    folder = check_folder(run_dir, "run folder", must_exist=True)  # not a file, FIFO, dangling link or too long
     saved = folder / "config.json"
     if not saved.is_file():
         raise ConfigError(f"{str(folder)!r} is not a run folder: it has no config.json")
