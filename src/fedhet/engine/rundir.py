@@ -25,14 +25,21 @@ def check_run_flags(resume: bool, overwrite: bool) -> None:
         raise ConfigError("--resume continues a run and --overwrite deletes it: give one of them, not both")
 
 
+OUT_DIR_ROLE = "the output folder"
+
+
 def make_out_dir(out_dir: Path) -> None:
+    """Make run.out_dir, after checking it can be one (fedhet/paths.py): not a file, FIFO or dangling link."""
+    from fedhet.paths import check_folder
+
+    check_folder(out_dir, "run.out_dir", creatable=True, role=OUT_DIR_ROLE)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         why = "it is a file" if out_dir.is_file() else (err.strerror or str(err))
-        raise ConfigError(f"run.out_dir {str(out_dir)!r} cannot be used as the output folder: {why}") from None
+        raise ConfigError(f"run.out_dir {str(out_dir)!r} cannot be used as {OUT_DIR_ROLE}: {why}") from None
     if not out_dir.is_dir():
-        raise ConfigError(f"run.out_dir {str(out_dir)!r} cannot be used as the output folder: it is a file")
+        raise ConfigError(f"run.out_dir {str(out_dir)!r} cannot be used as {OUT_DIR_ROLE}: it is a file")
 
 
 RUN_MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
@@ -43,7 +50,14 @@ def holds_run(folder: Path) -> bool:
 
 
 def remove_run_dir(folder: Path) -> None:
-    """--overwrite: delete a run folder, and nothing that does not look like one."""
+    """--overwrite: delete a run folder, and nothing that does not look like one; a symbolic link is refused (deleting
+    what it points to would reach outside run.out_dir, and removing the link would not replace the run)."""
+    if folder.is_symlink():
+        target = os.readlink(folder)
+        raise ConfigError(
+            f"--overwrite: run folder {str(folder)!r} is a symbolic link (to {target!r}); not deleting it or what it "
+            "points to: remove the link yourself, or choose another run.name or run.out_dir"
+        )
     if not folder.is_dir():
         raise ConfigError(f"--overwrite: {str(folder)!r} is a file, not a run folder; not deleting it")
     if not holds_run(folder) and any(folder.iterdir()):
