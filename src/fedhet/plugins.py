@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Iterable
 from importlib.metadata import entry_points
@@ -46,7 +47,12 @@ def normalise(spec: str, base: Path | None = None) -> str:
         raise ValueError("a plug-in is a .py file or a module name, not an empty string")
     if is_file(text):
         path = Path(text).expanduser()
-        return str(path if path.is_absolute() else ((base or Path.cwd()) / path).resolve())
+        if path.is_absolute():
+            return str(path)
+        path = (base or Path.cwd()) / path
+        if os.path.islink(path) and not os.path.exists(path):  # a dangling link: named as given, not as its target
+            return str(path.parent.resolve() / path.name)
+        return str(path.resolve())
     if not all(part.isidentifier() for part in text.split(".")):
         raise ValueError(f"{text!r} is neither a .py file nor a module name (e.g. my_package.my_method)")
     return text
@@ -83,12 +89,16 @@ def load_entry_points() -> None:
 
 
 def _load_file(path: str) -> str:
+    from fedhet.paths import check_input_file, name_problem
+
     file = Path(path)
-    if not file.is_file():
+    if not name_problem(file) and not os.path.lexists(file):
         raise ConfigError(
             f"plug-in file {path!r} (run.plugins) does not exist; pass its current path with --plugin, or set "
             "run.plugins"
         )
+    # a regular readable file: a FIFO would hang the import, a folder or dangling link fail deep inside importlib
+    check_input_file(file, "plug-in file", noun="Python file", setting="run.plugins")
     name = file.stem
     if not name.isidentifier():
         raise ConfigError(f"plug-in file {path!r}: its name must be a Python identifier (e.g. my_method.py)")
