@@ -542,3 +542,44 @@ def test_gne_on_the_server_section_contradicts_the_wo_gne_preset(tiny_config):
 
     with pytest.raises(ConfigError, match="server.aggregation = 'gne' contradicts it"):
         Simulation(tiny_config(algorithm={"name": "fedrane_wo_gne"}, server={"name": "sgd", "aggregation": "gne"}))
+
+
+# ------------------------------------------------------------------------------ residual_mix (issue 30)
+@pytest.mark.parametrize("normalize", [False, True])
+def test_residual_mix_feeds_the_predictor_m_z_plus_one_minus_m_z_aug_and_cd_still_reads_z_aug(normalize):
+    m = 0.9
+    algo, model, flat = make_fedrane(lambda_cd=0.2, residual_mix=m, normalize=normalize)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(6))
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+    ctx = context(algo, model, flat, ClientData(x, y, C), {})
+    with torch.no_grad():
+        z = model.body(x)
+        if normalize:
+            z = F.normalize(z, dim=1)
+        z_aug = model.head.lra(z)
+        if normalize:
+            z_aug = F.normalize(z_aug, dim=1)
+        read = m * z + (1 - m) * z_aug  # by hand, element by element
+        expected = F.cross_entropy(model.head.predictor(read), y).item() + 0.2 * naive_cd(
+            z, z_aug, 0.8, "pearson", False
+        )
+        assert algo.local_loss(ctx, x, y).item() == pytest.approx(expected, rel=1e-5)
+        model.eval()  # the model's prediction reads the same mix
+        torch.testing.assert_close(model(x), model.head.predictor(read))
+
+
+def test_residual_mix_zero_is_the_paper_and_one_bypasses_lra_in_the_prediction():
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(6))
+    _, paper, _ = make_fedrane()
+    _, zero, _ = make_fedrane(residual_mix=0.0)
+    assert torch.equal(paper(x), zero(x))  # bit for bit: m = 0 does no arithmetic
+    _, one, _ = make_fedrane(residual_mix=1.0)
+    with torch.no_grad():
+        assert torch.equal(one(x), one.head.predictor(one.body(x)))
+
+
+def test_residual_mix_needs_lra_and_lies_in_the_unit_interval():
+    with pytest.raises(ConfigError, match="needs lra = true"):
+        ALGORITHMS.parse("fedrane_wo_lra", {"residual_mix": 0.5})
+    with pytest.raises(ConfigError):
+        ALGORITHMS.parse("fedrane", {"residual_mix": 1.5})

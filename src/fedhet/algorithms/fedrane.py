@@ -37,6 +37,8 @@ while the exact KKT solve stays at 0.58; hence one solve by default (the officia
 On Fashion-MNIST (``train_fraction`` 0.1, 20 clients, Dirichlet 0.5, ``convnet`` with d = 64, 10 rounds of 2 local
 epochs at B = 128, lr 0.05, momentum 0.9): FedAvg 0.725, FedRANE-w/o-GNE eq4 with one solve 0.519, with 3 0.293,
 kkt 0.516. z~_i is built from the neighbours alone (no self term), so LRA learns more slowly than a plain model.
+``residual_mix`` m (not in the paper, default 0) lets the predictor read m z + (1 - m) z~ instead, as the official
+code's unused ``LocalGModel`` does with m = 0.9 (docs/reproductions/fedrane.md, issue 30).
 
 Presets: ``fedrane_wo_lra`` (no LRA block, no CD term: the CD loss needs z~, notes gotcha 16; GNE) and
 ``fedrane_wo_gne`` (LRA + CD, sample-ratio averaging), the ablation rows of Tables 1-2.
@@ -141,6 +143,10 @@ class FedRANEConfig(AlgoConfig):
     # the graph's alpha = 0 so the mixed z~ is used as is) with mixup_data's alpha 0.5.
     mixup_weight: float = Field(0.0, ge=0.0)
     mixup_alpha: float = Field(0.5, gt=0.0)
+    # ---- the predictor's input (issue 30; not in the paper). The predictor reads m z + (1 - m) z~: 0 = the paper
+    # (Eq. 5 has no self or residual term, z~ replaces z); the official code's unused LocalGModel mixes with 0.9.
+    # The CD loss and the mixup term still read z~ itself
+    residual_mix: float = Field(0.0, ge=0.0, le=1.0)
     # ---- evaluation (notes 2.5: LRA at test time is not specified)
     lra_at_eval: bool = True  # paper's framework (predictor reads z~); official evaluation skips LRA (False)
     eval_batch_size: int = Field(128, ge=2)  # the fixed test batch LRA sees (notes' proposal: B = 128)
@@ -151,6 +157,8 @@ class FedRANEConfig(AlgoConfig):
     def _cd_needs_lra(self) -> FedRANEConfig:
         if self.lambda_cd > 0 and not self.lra:
             raise ValueError("lambda_cd > 0 needs lra = true (the CD loss compares z with z~); set lambda_cd = 0")
+        if self.residual_mix > 0 and not self.lra:
+            raise ValueError("residual_mix > 0 mixes z with LRA's z~: it needs lra = true")
         if self.predictor == "fixed" and self.predictor_layers != 1:
             raise ValueError("predictor = 'fixed' is one fixed linear map; it needs predictor_layers = 1")
         return self
@@ -198,7 +206,7 @@ class FedRANE(Algorithm):
         if config.predictor_layers == 2:
             model.head = nn.Sequential(nn.Linear(d, d), nn.ReLU(), model.head)
         if config.lra:
-            attach_lra(model, config.lra_settings(), config.normalize)
+            attach_lra(model, config.lra_settings(), config.normalize, config.residual_mix)
         elif config.normalize:
             model.head = Normalized(model.head)
         return model
@@ -237,21 +245,27 @@ class FedRANE(Algorithm):
         """Eq. 9: the prediction loss on z~ plus lambda_CD * L_CD (without LRA: the head's loss on z alone)."""
         if not self.config.lra:
             return self.prediction_loss(model.head(z), y)
-        z_aug, cd = self.augmented(model, z)
-        loss = self.prediction_loss(model.head.predictor(z_aug), y)
+        z, z_aug, cd = self.pair_and_cd(model, z)
+        loss = self.prediction_loss(model.head.predictor(model.head.mix(z, z_aug)), y)
         return loss if cd is None else loss + cd
 
     def augmented(self, model: FedModel, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The representation the predictor reads (z~, or z without LRA; unit with ``normalize``) and the weighted
-        CD loss (None when there is none)."""
+        """The augmented representation (z~, or z without LRA; unit with ``normalize``) and the weighted CD loss
+        (None when there is none). The mixup term reads it; the predictor reads ``head.mix`` of it."""
         cfg = self.config
         if not cfg.lra:
             return (F.normalize(z, dim=1) if cfg.normalize else z), None
+        _, z_aug, cd = self.pair_and_cd(model, z)
+        return z_aug, cd
+
+    def pair_and_cd(self, model: FedModel, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(z, z~) as LRA's head returns them (unit with ``normalize``) and the weighted CD loss (None without)."""
+        cfg = self.config
         z, z_aug = model.head.pair(z)
         if cfg.lambda_cd == 0:
-            return z_aug, None
+            return z, z_aug, None
         cd = contrastive_discrimination(z, z_aug, cfg.temperature, cfg.cd_similarity, cfg.cd_symmetric)
-        return z_aug, cfg.lambda_cd * cd
+        return z, z_aug, cfg.lambda_cd * cd
 
     def prediction_loss(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if self.config.pred_loss == "mse":

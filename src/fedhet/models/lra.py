@@ -239,13 +239,21 @@ class GATHead(nn.Module):
 
 class LRAHead(nn.Module):
     """``predictor(lra(z))``: what replaces a FedModel's head, so ``FedModel.forward`` predicts from z~. With
-    ``normalize`` (the official code's representation), z is L2-normalised before LRA and z~ after it."""
+    ``normalize`` (the official code's representation), z is L2-normalised before LRA and z~ after it.
 
-    def __init__(self, lra: LRA, predictor: nn.Module, normalize: bool = False) -> None:
+    ``residual_mix`` m: the predictor reads m z + (1 - m) z~ instead of z~ (both as ``pair`` returns them, so unit
+    vectors with ``normalize``; the mix itself is not normalised again). m = 0 is the paper (Eq. 5 has no self or
+    residual term, z~ replaces z) and leaves the forward untouched; the official code's unused ``LocalGModel`` mixes
+    with 0.9. The CD loss still compares z with z~ itself."""
+
+    def __init__(self, lra: LRA, predictor: nn.Module, normalize: bool = False, residual_mix: float = 0.0) -> None:
         super().__init__()
+        if not 0.0 <= residual_mix <= 1.0:
+            raise ValueError(f"residual_mix must lie in [0, 1], got {residual_mix}")
         self.lra = lra
         self.predictor = predictor
         self.normalize = normalize
+        self.residual_mix = residual_mix
 
     def pair(self, z: Tensor) -> tuple[Tensor, Tensor]:
         """(z, z~) as the predictor and the CD loss see them."""
@@ -254,8 +262,13 @@ class LRAHead(nn.Module):
         z_aug = self.lra(z)
         return z, F.normalize(z_aug, dim=1) if self.normalize else z_aug
 
+    def mix(self, z: Tensor, z_aug: Tensor) -> Tensor:
+        """What the predictor reads: z~, or m z + (1 - m) z~ with ``residual_mix`` m > 0."""
+        m = self.residual_mix
+        return z_aug if m == 0 else m * z + (1.0 - m) * z_aug
+
     def forward(self, z: Tensor) -> Tensor:
-        return self.predictor(self.pair(z)[1])
+        return self.predictor(self.mix(*self.pair(z)))
 
 
 class Normalized(nn.Module):
@@ -269,10 +282,11 @@ class Normalized(nn.Module):
         return self.head(F.normalize(z, dim=1))
 
 
-def attach_lra(model: FedModel, settings: LRASettings, normalize: bool = False) -> FedModel:
+def attach_lra(model: FedModel, settings: LRASettings, normalize: bool = False, residual_mix: float = 0.0) -> FedModel:
     """Put LRA between ``model``'s body and its head (which becomes the predictor), and record the model's fixed
-    evaluation batch when LRA runs at evaluation (read by ``engine.evaluate.eval_batch_size``)."""
-    model.head = LRAHead(LRA(model.embedding_dim, settings), model.head, normalize)
+    evaluation batch when LRA runs at evaluation (read by ``engine.evaluate.eval_batch_size``). ``residual_mix``:
+    see ``LRAHead``."""
+    model.head = LRAHead(LRA(model.embedding_dim, settings), model.head, normalize, residual_mix)
     model.transductive_batch = settings.eval_batch if settings.at_eval else None
     return model
 
