@@ -108,10 +108,13 @@ def make_config(
     Component names and parameters are checked too (the plug-ins are loaded for that), so a mistake fails here.
     ``runs_here=False`` is for a config that runs on other machines (its ``run.device`` need not exist here)."""
     from fedhet.engine.simulation import resolve_config
+    from fedhet.paths import check_config_paths
 
     raw = config_dict(source, overrides, plugins=plugins, **shortcuts)
     raw.pop("compare", None)  # a comparison's variant list: a single run uses the base setting
     cfg = build_config(raw, runs_here=runs_here)
+    if runs_here:  # its paths as this machine sees them: no FIFO, file or dangling link where a folder belongs
+        check_config_paths(cfg)
     resolve_config(cfg)
     return cfg
 

@@ -40,6 +40,9 @@ def write_html(
     panels: str | None = None,
 ) -> Path:
     """The report page for `groups`: for each metric a mean ± std table and its curves; then each run's config."""
+    from fedhet.paths import check_output_file
+
+    check_output_file(path, "HTML report")  # before the work: a folder, FIFO or dangling link there is refused
     sections = [f"<h1>fedhet report</h1><p class='meta'>{len(groups)} groups, {sum(len(g.runs) for g in groups)} "
                 f"runs; written {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}</p>"]  # fmt: skip
     note = partition_note(groups)

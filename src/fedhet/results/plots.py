@@ -239,7 +239,9 @@ def _palette(n: int) -> list:
 
 
 def save(fig: Figure, path: str | Path) -> Path:
-    path = Path(path)
+    from fedhet.paths import check_output_file
+
+    path = check_output_file(path, "plot file")  # a folder, FIFO, device or dangling link there is refused
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
     fig.savefig(path, dpi=120, bbox_inches="tight")
