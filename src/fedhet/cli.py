@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -68,6 +69,7 @@ def run(
 ) -> None:
     """Train one algorithm on one federated setting; writes a run folder (config, metrics, checkpoints)."""
     from fedhet.engine.rundir import check_run_flags
+    from fedhet.paths import check_config_paths
 
     check_run_flags(resume, overwrite)
     set_threads(threads)
@@ -77,6 +79,7 @@ def run(
         plugins=plugin or (),
         **shortcuts(locals()),
     )
+    check_config_paths(cfg, writable=True)  # the output folders can be made and written, before any data loads
     run_dir = api.run_dir_of(cfg)
     with interrupted(f"the last checkpoint is kept; continue with --resume or: fedhet resume {run_dir}"):
         result = api.run(cfg, resume=resume, overwrite=overwrite, console=err_console)
@@ -85,7 +88,9 @@ def run(
 
 @app.command()
 def resume(
-    run_dir: Annotated[Path, typer.Argument(help="The run folder to continue (it may have been moved or copied).")],
+    run_dir: Annotated[
+        Path, typer.Argument(readable=False, help="The run folder to continue (it may have been moved or copied).")
+    ],
     rounds: Annotated[int | None, typer.Option("--rounds", "-r", help="Train to this round (extends a run).")] = None,
     set_: SetOpt = None,
     plugin: Annotated[
@@ -200,14 +205,16 @@ def partition_cmd(
     seed: SeedOpt = None,
     data_dir: DataDirOpt = None,
     plugin: PluginOpt = None,
-    plot: Annotated[Path, typer.Option("--plot", help="Where to write the label-distribution plot.")] = Path(
-        "partition.png"
-    ),
+    plot: Annotated[
+        Path, typer.Option("--plot", readable=False, help="Where to write the label-distribution plot.")
+    ] = Path("partition.png"),
 ) -> None:
     """Show how a dataset is split across clients: sizes, label counts, and a label-distribution plot."""
     from fedhet.engine.simulation import build_federation
+    from fedhet.paths import check_output_file
     from fedhet.results.plots import plot_label_distribution
 
+    check_output_file(plot, "--plot")
     cfg = api.make_config(
         config,
         set_,
@@ -241,13 +248,21 @@ def partition_cmd(
 
 @app.command()
 def report(
-    runs: Annotated[list[Path], typer.Argument(help="Run folders, or folders that contain run folders.")],
+    runs: Annotated[
+        list[Path], typer.Argument(readable=False, help="Run folders, or folders that contain run folders.")
+    ],
     metric: Annotated[str, typer.Option("--metric", help="Metric to tabulate and plot.")] = "test_acc",
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write the curve plot here (PNG).")] = None,
-    markdown: Annotated[Path | None, typer.Option("--markdown", help="Also write the table as Markdown.")] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", readable=False, help="Write the curve plot here (PNG).")
+    ] = None,
+    markdown: Annotated[
+        Path | None, typer.Option("--markdown", readable=False, help="Also write the table as Markdown.")
+    ] = None,
     html: Annotated[
         Path | None,
-        typer.Option("--html", help="Also write one self-contained HTML page: tables, curves, each run's config."),
+        typer.Option(
+            "--html", readable=False, help="Also write one self-contained HTML page: tables, curves, each run's config."
+        ),
     ] = None,
     smooth: Annotated[
         bool, typer.Option("--smooth", help="Plot the EMA the runs recorded (test_acc_ema; run.ema for others).")
@@ -257,12 +272,23 @@ def report(
     ] = None,
 ) -> None:
     """Summarise finished (or running) runs: a mean ± std table over seeds and accuracy-vs-round curves."""
+    from fedhet.paths import check_folder, check_output_file
     from fedhet.results.html import write_html
     from fedhet.results.plots import PANELS, plot_curves
     from fedhet.results.report import group_runs, load_runs, partition_note, print_table, summary_table, to_markdown
 
     if panels not in (None, *PANELS):
         raise ConfigError(f"unknown --panels {panels!r}; choose one of: {', '.join(PANELS)}")
+    for folder in runs:
+        check_folder(folder, "run folder (RUNS)", must_exist=True)
+    # every output before anything is read or written: a bad --html must not leave a lone Markdown file behind
+    outputs = {"--markdown": markdown, "--plot": plot, "--html": html}
+    for option, path in outputs.items():
+        if path is not None:
+            check_output_file(path, option)
+    chosen = [p for p in outputs.values() if p is not None]
+    if len({os.path.abspath(p) for p in chosen}) < len(chosen):
+        raise ConfigError("--markdown, --plot and --html must name different files")
     loaded = load_runs(runs)
     if not loaded:
         raise ConfigError(f"no run folders (with config.json and metrics.jsonl) under {', '.join(map(str, runs))}")

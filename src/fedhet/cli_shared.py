@@ -25,7 +25,9 @@ from fedhet.errors import Interrupted
 console = Console(width=None if sys.stdout.isatty() else 200)
 err_console = Console(stderr=True, width=None if sys.stderr.isatty() else 200)
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file.")]
+# Path options are not checked by click (readable=False): its checks print a usage box, and miss FIFOs and device
+# files; fedhet/paths.py checks each path as one error line naming the option
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", readable=False, help="TOML config file.")]
 SetOpt = Annotated[list[str] | None, typer.Option("--set", "-s", help="Override, e.g. -s train.lr=0.05 (repeat).")]
 PluginOpt = Annotated[
     list[str] | None,

@@ -45,7 +45,7 @@ def _config(config: Path | None, sets: list[str] | None, plugins: list[str] | No
 
 @flower_app.command("app")
 def app_cmd(
-    app_dir: Annotated[Path, typer.Argument(help="App folder to write (its name is the app's name).")],
+    app_dir: Annotated[Path, typer.Argument(readable=False, help="App folder to write (its name is the app's name).")],
     config: ConfigOpt = None,
     set_: SetOpt = None,
     algorithm: AlgorithmOpt = None,
@@ -70,7 +70,9 @@ def app_cmd(
 ) -> None:
     """Write a Flower app folder (pyproject.toml, fedhet.toml, fedhet_app.py) to start with `flwr run`."""
     from fedhet.flower.bundle import write_app
+    from fedhet.paths import check_folder
 
+    check_folder(app_dir, "app folder (APP_DIR)", creatable=True)
     # the app runs on the SuperLink's machines: its run.device is checked there, not here
     cfg = _config(
         config,
@@ -110,6 +112,7 @@ def simulate_cmd(
         Path | None,
         typer.Option(
             "--node-state-dir",
+            readable=False,
             help="Folder under which each virtual node keeps its clients' state across Flower runs, so --resume "
             "continues it (default: node_state in the run folder).",
         ),
@@ -134,14 +137,18 @@ def simulate_cmd(
     from fedhet.engine.rundir import check_run_flags
     from fedhet.flower.app import RunOptions
     from fedhet.flower.raysim import run_ray_simulation
+    from fedhet.paths import check_config_paths, check_folder
 
     check_run_flags(resume, overwrite)
+    if node_state_dir is not None:
+        node_state_dir = check_folder(node_state_dir.expanduser(), "--node-state-dir", creatable=True)
     cfg = _config(
         config,
         set_,
         plugin,
         **shortcuts(locals()),
     )
+    check_config_paths(cfg, writable=True)  # the output folders can be made and written, before Ray starts
     options = RunOptions(resume=resume, overwrite=overwrite, accept_state_loss=accept_state_loss)
     run_dir = run_dir_of(cfg)
     with interrupted(f"the last checkpoint is kept; continue with --resume ({run_dir})"), quiet_libraries(verbose):
@@ -160,7 +167,9 @@ def simulate_cmd(
 
 @flower_app.command("export")
 def export_cmd(
-    out_folder: Annotated[Path, typer.Option("--out", "-o", help="Folder for the client_<id>.npz files.")],
+    out_folder: Annotated[
+        Path, typer.Option("--out", "-o", readable=False, help="Folder for the client_<id>.npz files.")
+    ],
     config: ConfigOpt = None,
     set_: SetOpt = None,
     dataset: DatasetOpt = None,
@@ -172,7 +181,9 @@ def export_cmd(
 ) -> None:
     """Write every client's data as client_<id>.npz, for SuperNodes started with --node-config data-path=..."""
     from fedhet.flower.data import export_clients
+    from fedhet.paths import check_folder
 
+    check_folder(out_folder, "--out", creatable=True)
     cfg = _config(
         config, set_, plugin, dataset=dataset, partition=partition, clients=clients, seed=seed, data_dir=data_dir
     )
