@@ -1,0 +1,126 @@
+"""Whether a run's model can fit in its device's memory, decided before a byte of it is allocated.
+
+The model is built on torch's ``meta`` device (shapes, no storage), its parameters counted, and the bytes a run
+holds at the least compared with the memory the device has free: a model that cannot fit (``-s
+model.hidden=[100000000]``: 25 GB of weights) is one ``ConfigError`` naming its parameter count and the memory there
+is, instead of an allocator traceback minutes into data loading or a machine driven into swap.
+
+The bound is deliberately low, so that no run that could fit is refused: only the copies every run keeps are counted
+(the weights, their gradients and the server's global copy), not momentum, control variates, client states or
+activations. A model that passes may still be too large; one that fails cannot train.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from fedhet.errors import ConfigError
+from fedhet.paths import size_text
+
+if TYPE_CHECKING:
+    from fedhet.config import Config
+    from fedhet.data.federated import FederatedDataset
+
+# copies of the weights every run holds at once: the model's (flat) parameters, their gradients, the server's copy
+COPIES = 3
+
+
+def count_model(build: Callable[[], torch.nn.Module]) -> tuple[int, int] | None:
+    """(parameters, bytes of parameters and buffers) of the model ``build()`` makes, built on the meta device so
+    nothing is allocated and no random number drawn; None when it cannot be built there (a plug-in model that
+    computes on its weights while it is built)."""
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = build()
+    except Exception:  # not buildable without storage: the check is skipped, building it for real decides
+        return None
+    params = list(model.parameters())
+    tensors = params + [b for b in model.buffers() if b is not None]
+    return sum(p.numel() for p in params), sum(t.numel() * t.element_size() for t in tensors)
+
+
+def available_memory(device: torch.device) -> tuple[int, str] | None:
+    """(bytes free, where that figure comes from) on ``device``; None where it cannot be told (MPS, no /proc)."""
+    if device.type == "cuda":
+        try:
+            free, _total = torch.cuda.mem_get_info(device)
+        except (RuntimeError, AssertionError):
+            return None
+        return int(free), f"free on {device} (torch.cuda.mem_get_info)"
+    if device.type != "cpu":
+        return None
+    found = []
+    available = meminfo_available()
+    if available is not None:
+        found.append((available, "available (MemAvailable in /proc/meminfo)"))
+    cgroup = cgroup_room()
+    if cgroup is not None:
+        found.append((cgroup, "left under this process's memory limit (cgroup memory.max)"))
+    if not found:
+        try:
+            found.append((os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free (sysconf)"))
+        except (AttributeError, OSError, ValueError):
+            return None
+    return min(found)
+
+
+def meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cgroup_room() -> int | None:
+    """Bytes this process's cgroup (v2) may still take, None without a limit."""
+    root = Path("/sys/fs/cgroup")
+    try:
+        limit = (root / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(0, int(limit) - int((root / "memory.current").read_text().strip()))
+    except (OSError, ValueError):
+        return None
+
+
+def check_fits(name: str, counted: tuple[int, int] | None, device: torch.device) -> None:
+    """A ``ConfigError`` when ``COPIES`` copies of a model (``counted`` by ``count_model``) exceed what ``device``
+    has free."""
+    room = available_memory(device)
+    if counted is None or room is None:
+        return
+    params, size = counted
+    free, where = room
+    need = COPIES * size
+    if need <= free:
+        return
+    raise ConfigError(
+        f"model {name!r} has {params:,} parameters ({size_text(size)}); training holds at least {COPIES} copies of "
+        f"them (weights, gradients, the server's copy: {size_text(need)}), but {device} has {size_text(free)} "
+        f"{where}: choose a smaller model (model.* settings) or a device with more memory"
+    )
+
+
+def check_model_fits(cfg: Config, fed: FederatedDataset, device: torch.device) -> None:
+    """``check_fits`` for the model a run of ``cfg`` on ``fed`` trains, with what its algorithm adds to it."""
+    from fedhet.engine.simulation import algorithm_config
+    from fedhet.models import build_model
+
+    algo_cls, algo_cfg = algorithm_config(cfg)
+
+    def plain() -> torch.nn.Module:
+        return build_model(cfg.model.name, fed.input_shape, fed.num_classes, **cfg.model.params())
+
+    def full() -> torch.nn.Module:
+        model = algo_cls.prepare_model(algo_cfg, plain())
+        return algo_cls.prepare_federated_model(algo_cfg, model, fed.num_clients)
+
+    check_fits(cfg.model.name, count_model(full) or count_model(plain), device)
