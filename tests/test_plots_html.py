@@ -103,8 +103,11 @@ def test_smoothing_uses_the_recorded_ema_or_computes_the_same_one(tmp_path):
 def test_the_html_report_is_one_self_contained_page(twenty, tmp_path):
     page = write_html(twenty, tmp_path / "out" / "report.html", smooth=True, panels="setting").read_text()
     assert not re.search(r"(src|href)=['\"]?(https?:|//|file:)", page)  # nothing loaded from elsewhere
-    assert page.count("<tr>") == 1 + 40 and " ± " in page  # one row per group, mean ± std over the seeds
-    assert page.count("data:image/png;base64,") == 1
+    # after the setting's summary, one section per recorded metric (test_acc, test_acc_ema, train_loss), each a
+    # table with a row per group and the curves
+    test_acc = page.split("<h2 id='metric-test_acc'>", 1)[1].split("</table>", 1)[0]
+    assert test_acc.count("<tr>") == 1 + 40 and " ± " in test_acc  # one row per group, mean ± std over the seeds
+    assert page.count("data:image/png;base64,") == 3
     assert page.count("<details>") == 80 and "&quot;alpha&quot;: 0.5" in page  # every run's config
     assert "each seed draws its own partition" in page
 

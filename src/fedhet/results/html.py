@@ -1,5 +1,9 @@
 """`fedhet report --html`: one self-contained page (no server, no network) with the tables, curves and configs.
 
+The page opens with the setting every row shares and the settings that tell the rows apart, then one section per
+reported metric (the chosen one first, then every other metric some run recorded: METRIC_LABELS), each with its
+table and curves, reached from the metric links at the top; then each run's config. Rows, legends and colours are
+the same as in `fedhet report` and `compare` (one order, one colour per method; a swatch beside each row's name).
 The curves are PNGs embedded as data URIs and the styles are inline, so the file can be mailed or opened from disk
 and shows the same everywhere.
 """
@@ -13,8 +17,16 @@ from datetime import datetime, timezone
 from html import escape
 from pathlib import Path
 
-from fedhet.results.plots import curves_figure
-from fedhet.results.report import Group, partition_note, summary_table, table_cells
+from fedhet.results.plots import METRIC_LABELS, colour_hex, curves_figure, method_styles
+from fedhet.results.report import (
+    Group,
+    differing_keys,
+    fmt,
+    format_value,
+    partition_note,
+    summary_table,
+    table_cells,
+)
 from fedhet.results.store import to_json
 
 STYLE = """
@@ -28,6 +40,8 @@ th:first-child, td:first-child { text-align: left; }
 tbody tr:hover { background: #f7f9ff; }
 img { max-width: 100%; } .note { color: #555; } .meta { color: #777; font-size: 0.85em; }
 details { margin: 0.3em 0; } summary { cursor: pointer; }
+nav a { margin-right: 0.8em; } .swatch { display: inline-block; width: 0.9em; height: 0.9em; margin-right: 0.4em;
+  vertical-align: -0.1em; border-radius: 2px; } td.key { text-align: left; color: #444; }
 pre { background: #f7f7f7; padding: 0.8em; overflow-x: auto; font-size: 0.8em; }
 """
 
@@ -38,21 +52,32 @@ def write_html(
     metrics: tuple[str, ...] = ("test_acc",),
     smooth: bool = False,
     panels: str | None = None,
+    every_metric: bool = True,
 ) -> Path:
-    """The report page for `groups`: for each metric a mean ± std table and its curves; then each run's config."""
+    """The report page for `groups`: the shared setting and what tells the rows apart; for each metric (`metrics`,
+    then with ``every_metric`` each other metric of METRIC_LABELS that some run recorded) a mean ± std table and
+    its curves; then each run's config."""
     from fedhet.paths import check_output_file
 
     check_output_file(path, "HTML report")  # before the work: a folder, FIFO or dangling link there is refused
+    shown = reported_metrics(groups, metrics) if every_metric else list(metrics)
+    swatches = {label: colour_hex(colour) for label, (colour, _) in method_styles(groups).items()}
     sections = [f"<h1>fedhet report</h1><p class='meta'>{len(groups)} groups, {sum(len(g.runs) for g in groups)} "
                 f"runs; written {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}</p>"]  # fmt: skip
+    links = " ".join(f"<a href='#{anchor(m)}'>{escape(m)}</a>" for m in shown)
+    sections.append(f"<nav>metrics: {links} <a href='#runs'>runs</a></nav>")
+    sections.append(settings_summary(groups, swatches))
     note = partition_note(groups)
-    for metric in metrics:
-        sections.append(f"<h2>{escape(metric)}</h2>")
-        sections.append(html_table(groups, metric))
+    for i, metric in enumerate(shown):
+        sections.append(
+            f"<h2 id='{anchor(metric)}'>{escape(METRIC_LABELS.get(metric, metric))} ({escape(metric)})</h2>"
+        )
+        # the chosen metric's table has every column; the others' the columns that depend on the metric
+        sections.append(html_table(groups, metric, swatches) if i == 0 else metric_table(groups, metric, swatches))
         if note:
             sections.append(f"<p class='note'>{escape(note)}</p>")
         sections.append(curves_image(groups, metric, smooth, panels))
-    sections.append("<h2>runs</h2>")
+    sections.append("<h2 id='runs'>runs</h2>")
     sections += [run_details(group) for group in groups]
     page = (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'><title>fedhet report</title>"
@@ -64,11 +89,86 @@ def write_html(
     return path
 
 
-def html_table(groups: list[Group], metric: str) -> str:
-    header, cells = table_cells(summary_table(groups, metric=metric))
+def reported_metrics(groups: list[Group], metrics: tuple[str, ...] | list[str]) -> list[str]:
+    """`metrics`, then every other metric of METRIC_LABELS (in its order) that some run recorded."""
+    recorded = {key for group in groups for run in group.runs for record in run.metrics for key in record}
+    return list(dict.fromkeys([*metrics, *(m for m in METRIC_LABELS if m in recorded)]))
+
+
+def anchor(metric: str) -> str:
+    return "metric-" + "".join(c if c.isalnum() or c in "-_" else "-" for c in metric)
+
+
+def label_cell(label: str, swatches: dict[str, str]) -> str:
+    colour = swatches.get(label)
+    swatch = f"<span class='swatch' style='background:{colour}'></span>" if colour else ""
+    return f"<td>{swatch}{escape(label)}</td>"
+
+
+def table_html(header: list[str], cells: list[list[str]], swatches: dict[str, str]) -> str:
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in line) + "</tr>" for line in cells)
+    body = "".join(
+        "<tr>" + label_cell(line[0], swatches) + "".join(f"<td>{escape(c)}</td>" for c in line[1:]) + "</tr>"
+        for line in cells
+    )
     return f"<div class='wide'><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+
+
+def html_table(groups: list[Group], metric: str, swatches: dict[str, str] | None = None) -> str:
+    header, cells = table_cells(summary_table(groups, metric=metric))
+    return table_html(header, cells, swatches or {})
+
+
+def metric_table(groups: list[Group], metric: str, swatches: dict[str, str]) -> str:
+    """Final and best of `metric`, mean ± std over seeds, one row per group in the main table's order."""
+    rows = summary_table(groups, metric=metric)
+    header = ["run", "seeds", f"final {metric}", f"best {metric}"]
+    cells = [
+        [
+            r.label,
+            str(r.seeds),
+            fmt(r.final_mean, r.final_std, metric=metric),
+            fmt(r.best_mean, r.best_std, metric=metric),
+        ]
+        for r in rows
+    ]
+    return table_html(header, cells, swatches)
+
+
+def settings_summary(groups: list[Group], swatches: dict[str, str]) -> str:
+    """The setting every group shares (section by section), and a table of the settings that differ per row."""
+    settings = [g.settings for g in groups]
+    differ = set(differing_keys(settings, presence_counts=True)) | {
+        k
+        for k in ("algorithm.name", "server.name", "server.aggregation")
+        if len({json_value(s.get(k)) for s in settings}) > 1
+    }
+    shared = (
+        {k: v for k, v in settings[0].items() if k not in differ and all(k in s for s in settings)} if settings else {}
+    )
+    sections: dict[str, list[str]] = {}
+    for key, value in shared.items():
+        section, _, name = key.partition(".")
+        sections.setdefault(section, []).append(f"{name}={format_value(value)}")
+    lines = "".join(
+        f"<tr><td class='key'>{escape(section)}</td><td class='key'>{escape(', '.join(items))}</td></tr>"
+        for section, items in sections.items()
+    )
+    out = ["<h2 id='setting'>setting</h2>"]
+    if lines:
+        out.append(
+            f"<p class='note'>Shared by every row:</p><div class='wide'><table><tbody>{lines}</tbody></table></div>"
+        )
+    keys = [k for k in dict.fromkeys(k for s in settings for k in s) if k in differ]
+    if keys:
+        cells = [[g.label, *(format_value(g.settings[k]) if k in g.settings else "—" for k in keys)] for g in groups]
+        out.append("<p class='note'>Different between rows:</p>")
+        out.append(table_html(["run", *keys], cells, swatches))
+    return "\n".join(out)
+
+
+def json_value(value: object) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def curves_image(groups: list[Group], metric: str, smooth: bool, panels: str | None) -> str:

@@ -18,7 +18,16 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from fedhet.errors import FedhetError
-from fedhet.results.report import Group, Run, differing_keys, format_value, label_for, short_names
+from fedhet.results.report import (
+    FAMILIES,
+    SETTING_SECTIONS,
+    Group,
+    Run,
+    differing_keys,
+    format_value,
+    label_for,
+    short_names,
+)
 
 METRIC_LABELS = {
     "test_acc": "test accuracy",
@@ -41,22 +50,12 @@ MAX_STACKED_CLASSES = 20
 # Line styles cycle with the colours so that with up to 40 groups no two share a (colour, style) pair, and groups
 # next to each other in the legend differ in both.
 LINE_STYLES = ("-", "--", ":", "-.")
-# `--panels family`: which family each algorithm is drawn with; unknown names (plug-ins) go to "other".
-FAMILIES = {
-    "aggregation": ("fedavg", "fednova", "qfedavg", "fedbc", "centralized", "fedrane_wo_lra"),
-    "local regularisation": (
-        "fedprox", "scaffold", "feddyn", "moon", "fedntd", "feddecorr", "fedrcl", "fedrane", "fedrane_wo_gne",
-        "fedufo", "feduad", "fedufo_cls", "fedufo_cgr", "fedufo_cgl", "fedufo_uad_cgr", "fedufo_uad_cgl",
-    ),
-    "classifier calibration": ("fedlc", "fednh", "creff", "fedacd", "fedacd_base", "spherefed"),
-    "personalised": (
-        "fedrod", "fedper", "fedbabu", "perfedavg", "pfedme", "per_fedbc", "fedbc_finetune", "ditto", "apple",
-        "fedmtl", "fedmeta", "fml",
-    ),
-}  # fmt: skip
+# `--panels family`: which family each algorithm is drawn with (report.FAMILIES); unknown names (plug-ins) go to
+# "other". `--panels setting`: the config sections that describe the setting (report.SETTING_SECTIONS).
 PANELS = ("family", "setting")
-# `--panels setting`: the config sections that describe the setting; the others describe the method
-SETTING_SECTIONS = ("dataset.", "partition.", "model.", "train.")
+# Several settings of one method in one axes (a grid without --panels setting) share the method's colour and line
+# style and differ by marker.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
 SMOOTHING = 0.9  # EMA factor for a metric without a recorded EMA in a run whose config has no run.ema
 
 
@@ -81,35 +80,51 @@ def curves_figure(
 ) -> Figure:
     """`metric` vs round: one line per group, the mean over seeds with a shaded ±1 std band.
 
-    Each group keeps one (colour, line style) pair in every panel; the legend sits outside the axes, so 20 groups
-    hide no curve. ``smooth`` plots the EMA the run recorded (``test_acc_ema``), or for another metric the same EMA
-    (factor ``run.ema``) computed here. ``panels``: one panel per method family or per setting (the dataset,
-    partition, model and training values that differ between groups)."""
+    Each method keeps one (colour, line style) pair whatever the panels (``method_styles``: the same in
+    ``--plot``, ``--panels family``, ``--panels setting`` and the HTML page); settings of one method that share an
+    axes differ by marker. The legend, outside the axes so 20 groups hide no curve, lists the groups in the table's
+    order. ``smooth`` plots the EMA the run recorded (``test_acc_ema``), or for another metric the same EMA (factor
+    ``run.ema``) computed here. ``panels``: one panel per method family or per setting (the dataset, partition,
+    model and training values that differ between groups)."""
     if panels not in (None, *PANELS):
         raise FedhetError(f"unknown panels {panels!r}; choose one of: {', '.join(PANELS)}")
-    methods, panel_of = split_groups(groups, panels)
+    methods, settings = method_and_setting(groups)
+    style = method_styles(groups)
+    if panels == "family":
+        panel_of = [family(str(g.settings.get("algorithm.name"))) for g in groups]
+    elif panels == "setting":
+        panel_of = settings
+    else:
+        panel_of = [""] * len(groups)
     order = list(dict.fromkeys(panel_of))
     if panels == "family":
         order.sort(key=lambda name: list(FAMILIES).index(name) if name in FAMILIES else len(FAMILIES))
-    # styles and legend entries go panel by panel: the methods sharing a panel get neighbouring, distinct pairs
-    by_panel = sorted(range(len(groups)), key=lambda i: order.index(panel_of[i]))
-    style = {m: pair(i) for i, m in enumerate(dict.fromkeys(methods[i] for i in by_panel))}
+    # a method drawn in several settings within one axes: one marker per setting
+    crowded = {(panel_of[i], methods[i]) for i in range(len(groups))}
+    shared = len(crowded) < len(groups)
+    marker = {s: MARKERS[i % len(MARKERS)] for i, s in enumerate(dict.fromkeys(settings))}
     fig, axes = panel_axes(len(order))
     scale = 100.0 if "acc" in metric else 1.0
     drawn: dict[str, Any] = {}
     # overlapping std bands add up: fainter the more curves share an axes, so 20 bands do not turn to mud
     band_alpha = min(0.2, 0.3 / max(1, len(groups) / len(order)) ** 0.5)
-    for i in by_panel:
-        group, method, panel = groups[i], methods[i], panel_of[i]
+    for i, group in enumerate(groups):
+        method, panel = methods[i], panel_of[i]
         rounds, mean, std = seed_curve(group.runs, metric, smooth)
         if len(rounds) == 0:
             continue
         ax = axes[order.index(panel)]
-        colour, dashes = style[method]
-        (line,) = ax.plot(rounds, mean * scale, color=colour, linestyle=dashes, linewidth=1.6)
+        colour, dashes = style[group.label]
+        extra = (
+            {"marker": marker[settings[i]], "markevery": max(1, len(rounds) // 8), "markersize": 4} if shared else {}
+        )
+        (line,) = ax.plot(rounds, mean * scale, color=colour, linestyle=dashes, linewidth=1.6, **extra)
         ax.fill_between(rounds, (mean - std) * scale, (mean + std) * scale, color=colour, alpha=band_alpha, linewidth=0)
-        seeds = {len(g.runs) for g, m in zip(groups, methods, strict=True) if m == method}
-        drawn.setdefault(method, (line, f"{method} (n={'/'.join(map(str, sorted(seeds)))})"))
+        if panels == "setting":  # the panel titles name the settings: one legend entry per method
+            seeds = {len(g.runs) for g, m in zip(groups, methods, strict=True) if m == method}
+            drawn.setdefault(method, (line, f"{method} (n={'/'.join(map(str, sorted(seeds)))})"))
+        else:
+            drawn.setdefault(group.label, (line, f"{group.label} (n={len(group.runs)})"))
     if not drawn:
         raise FedhetError(f"no run recorded {metric!r}; nothing to plot")
     label = METRIC_LABELS.get(metric, metric) + (" (smoothed)" if smooth and "ema" not in metric else "")
@@ -126,6 +141,34 @@ def curves_figure(
     return fig
 
 
+def method_and_setting(groups: list[Group]) -> tuple[list[str], list[str]]:
+    """Each group's method (its label without the setting: ``fedprox mu=0.1``) and setting (``alpha=0.1``, or
+    "all" where the groups share one)."""
+    settings = [g.settings for g in groups]
+    keys = differing_keys(settings, presence_counts=False)
+    setting_keys = [k for k in keys if k.startswith(SETTING_SECTIONS)]
+    method_keys = [k for k in keys if k not in setting_keys]
+    methods = [label_for(s, method_keys) for s in settings]
+    names = short_names(setting_keys)
+    setting = [" ".join(f"{names[k]}={format_value(s.get(k))}" for k in setting_keys) or "all" for s in settings]
+    return methods, setting
+
+
+def method_styles(groups: list[Group]) -> dict[str, tuple[Any, str]]:
+    """Group label -> (colour, line style): one pair per method, in the order the methods first appear in the
+    groups (the table's order), so a method looks the same in every figure and view of the same runs."""
+    methods, _ = method_and_setting(groups)
+    index = {m: i for i, m in enumerate(dict.fromkeys(methods))}
+    return {g.label: pair(index[m]) for g, m in zip(groups, methods, strict=True)}
+
+
+def colour_hex(colour: Any) -> str:
+    """A matplotlib RGBA colour as #rrggbb (the HTML page's swatches)."""
+    from matplotlib.colors import to_hex
+
+    return to_hex(colour)
+
+
 def pair(i: int) -> tuple[Any, str]:
     """The (colour, line style) of the i-th group: distinct for the first 40."""
     return colormaps["tab10"](i % 10), LINE_STYLES[(i + i // 10) % len(LINE_STYLES)]
@@ -133,22 +176,6 @@ def pair(i: int) -> tuple[Any, str]:
 
 def family(algorithm: str) -> str:
     return next((name for name, members in FAMILIES.items() if algorithm in members), "other")
-
-
-def split_groups(groups: list[Group], panels: str | None) -> tuple[list[str], list[str]]:
-    """Each group's method label (the same method has the same style in every panel) and its panel."""
-    if panels == "family":
-        return [g.label for g in groups], [family(str(g.settings.get("algorithm.name"))) for g in groups]
-    if panels is None:
-        return [g.label for g in groups], [""] * len(groups)
-    settings = [g.settings for g in groups]
-    keys = differing_keys(settings, presence_counts=False)
-    setting_keys = [k for k in keys if k.startswith(SETTING_SECTIONS)]
-    method_keys = [k for k in keys if k not in setting_keys]
-    methods = [label_for(s, method_keys) for s in settings]
-    names = short_names(setting_keys)
-    panel = [" ".join(f"{names[k]}={format_value(s.get(k))}" for k in setting_keys) or "all" for s in settings]
-    return methods, panel
 
 
 def panel_axes(n: int) -> tuple[Figure, list[Any]]:

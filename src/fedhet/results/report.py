@@ -1,9 +1,11 @@
 """Load run folders, group seeds of the same experiment, and summarise them in mean ± std tables.
 
-Two runs belong to one group when their resolved configs are equal apart from the seed and the run's name and
-output folder. A group's label is the algorithm name plus the settings that tell the groups apart
-(`fedprox mu=0.1`). Standard deviations are over seeds, with Bessel's correction (ddof=1), and are left out
-for a single seed.
+Two runs belong to one group when their resolved configs are equal apart from the seed, where the run is (its name,
+output folder and plug-in paths) and how it was shown or laid out (DISPLAY_KEYS). A group's label is the algorithm
+name plus the settings that tell the groups apart (`fedprox mu=0.1`). Groups come in one order everywhere (tables,
+plots, the HTML page, `compare` and `report`): by setting, then method family, then method (`group_order`).
+Standard deviations are over seeds, with Bessel's correction (ddof=1), shown for every measured column with two or
+more seeds and left out for a single seed; count columns (clients never sampled) show their range instead.
 """
 
 from __future__ import annotations
@@ -21,8 +23,38 @@ from rich.table import Table
 from fedhet.errors import FedhetError
 from fedhet.results.store import read_json, read_metrics
 
-IGNORED_KEYS = ("run.seed", "run.name", "run.out_dir", "run.plugins")  # plug-in paths: where code is, not a setting
+# where a run is: its folder and plug-in paths (where the code is, not a setting)
+LOCATION_KEYS = ("run.name", "run.out_dir", "run.plugins")
+# How a run was shown or laid out, never what it computed: the progress display, checkpoint spacing, how many empty
+# rounds it tolerated, the per-client file. run.workers and run.executor change only float rounding (the last bits,
+# as a thread count or another CPU does, which no config records either), so a seed rerun under another executor
+# belongs with its setting; a group that then holds a seed twice is named in the note under the table.
+DISPLAY_KEYS = (
+    "run.progress",
+    "run.checkpoint_every",
+    "run.max_empty_rounds",
+    "run.workers",
+    "run.executor",
+    "run.client_metrics",
+)
+IGNORED_KEYS = ("run.seed", *LOCATION_KEYS, *DISPLAY_KEYS)
 IGNORED_SECTIONS = ("tracking.",)  # where copies of the results went, not what ran
+# the config sections that describe the setting (what a method is run on); the others describe the method
+SETTING_SECTIONS = ("dataset.", "partition.", "model.", "train.")
+# Method families, in the order rows, legends and `--panels family` show them; unknown names (plug-ins) go last
+# ("other").
+FAMILIES = {
+    "aggregation": ("fedavg", "fednova", "qfedavg", "fedbc", "centralized", "fedrane_wo_lra"),
+    "local regularisation": (
+        "fedprox", "scaffold", "feddyn", "moon", "fedntd", "feddecorr", "fedrcl", "fedrane", "fedrane_wo_gne",
+        "fedufo", "feduad", "fedufo_cls", "fedufo_cgr", "fedufo_cgl", "fedufo_uad_cgr", "fedufo_uad_cgl",
+    ),
+    "classifier calibration": ("fedlc", "fednh", "creff", "fedacd", "fedacd_base", "spherefed"),
+    "personalised": (
+        "fedrod", "fedper", "fedbabu", "perfedavg", "pfedme", "per_fedbc", "fedbc_finetune", "ditto", "apple",
+        "fedmtl", "fedmeta", "fml",
+    ),
+}  # fmt: skip
 MISSING = "—"
 
 
@@ -71,10 +103,15 @@ class Row:
     client_acc_worst10: float | None
     personal_acc_macro: float | None
     rounds: tuple[int, int]  # (fewest, most) rounds reached by a seed
-    # OPTIONAL_COLUMNS: (mean, std) of the finals over seeds
+    # OPTIONAL_COLUMNS: (mean, std) of the finals over seeds; for COUNT_COLUMNS (fewest, most)
     extras: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
     empty_rounds: int = 0  # rounds, over all seeds, that no client finished (summary.json)
     failed: int = 0  # seeds whose run ended with status "failed"
+    # std over seeds of best_mean, client_dist_acc, client_acc_worst10, personal_acc_macro (None for one seed)
+    best_std: float | None = None
+    client_dist_acc_std: float | None = None
+    client_acc_worst10_std: float | None = None
+    personal_acc_macro_std: float | None = None
 
 
 # Personalised and fairness metrics shown as extra columns when some run recorded them. Personalisation that
@@ -90,6 +127,8 @@ OPTIONAL_COLUMNS = {
     "local_risk": "local-model risk",
     "local_kl": "local KL(P||Q)",
 }
+# Counts of clients, not measurements: shown as a whole number, or the range over seeds ("0–3"), never "0 ± 0".
+COUNT_COLUMNS = ("personal_never_sampled",)
 
 
 def lower_is_better(metric: str) -> bool:
@@ -127,21 +166,74 @@ def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def run_settings(config: dict) -> dict[str, Any]:
+    """The flattened config without the seed, location and display keys: what makes runs one experiment."""
+    return {k: v for k, v in flatten(config).items() if k not in IGNORED_KEYS and not k.startswith(IGNORED_SECTIONS)}
+
+
 def group_runs(runs: list[Run]) -> list[Group]:
-    """Groups of runs that differ only by seed, in the order their first run appears."""
+    """Groups of runs that differ only by seed (or by location and display keys), in ``group_order``; within a
+    group, runs by seed."""
     groups: dict[str, Group] = {}
     for run in runs:
-        settings = {
-            k: v for k, v in flatten(run.config).items() if k not in IGNORED_KEYS and not k.startswith(IGNORED_SECTIONS)
-        }
+        settings = run_settings(run.config)
         key = json.dumps(settings, sort_keys=True, default=str)
         if key not in groups:
             groups[key] = Group("", [], settings)
         groups[key].runs.append(run)
-    result = list(groups.values())
+    result = [groups[k] for k in group_order({k: g.settings for k, g in groups.items()})]
+    for group in result:
+        group.runs.sort(key=lambda r: (value_key(r.config.get("run", {}).get("seed")), str(r.path)))
     for group, label in zip(result, make_labels([g.settings for g in result]), strict=True):
         group.label = label
     return result
+
+
+def group_order(settings: dict[str, dict[str, Any]]) -> list[str]:
+    """The keys of ``settings`` (one flattened config per group) in the one order every table and plot uses: by the
+    setting (the dataset, partition, model and training values that differ, numbers by value), then by method
+    family (FAMILIES: FedAvg first, plug-ins last), the algorithm's place in it, the server optimiser (plain
+    averaging first), and the method's remaining differing settings. Whatever order the runs were found in (a
+    comparison's cells, a folder listing), the rows come out the same."""
+    keys = differing_keys(list(settings.values()), presence_counts=True)
+    setting_keys = [k for k in keys if k.startswith(SETTING_SECTIONS)]
+    method_keys = [k for k in keys if k not in setting_keys]
+
+    def order(item: tuple[str, dict[str, Any]]) -> tuple:
+        key, s = item
+        algorithm = str(s.get("algorithm.name", ""))
+        return (
+            tuple(value_key(s.get(k, ABSENT)) for k in setting_keys),
+            method_rank(algorithm),
+            s.get("server.aggregation", "weights") != "weights",
+            s.get("server.name", "sgd") != "sgd",
+            str(s.get("server.name", "")),
+            tuple(value_key(s.get(k, ABSENT)) for k in method_keys),
+            key,
+        )
+
+    return [key for key, _ in sorted(settings.items(), key=order)]
+
+
+def method_rank(algorithm: str) -> tuple[int, int, str]:
+    """(family, place in the family, name): FedAvg first, plug-ins ("other") last and by name."""
+    for i, members in enumerate(FAMILIES.values()):
+        if algorithm in members:
+            return i, members.index(algorithm), algorithm
+    return len(FAMILIES), 0, algorithm
+
+
+def value_key(value: Any) -> tuple:
+    """A sort key that puts absent values first, numbers by value (0.5 before 10), then text, then the rest."""
+    if value is ABSENT or value is None:
+        return (0,)
+    if isinstance(value, bool):
+        return (1, int(value), "")
+    if isinstance(value, int | float):
+        return (1, value, "")
+    if isinstance(value, str):
+        return (2, 0, value)
+    return (3, 0, json.dumps(value, sort_keys=True, default=str))
 
 
 def partition_seed(run: Run) -> Any:
@@ -151,9 +243,34 @@ def partition_seed(run: Run) -> Any:
 
 
 def partition_note(groups: list[Group]) -> str | None:
-    """Whether the seeds of a row trained on one partition or on one each, so a reader knows what ± includes.
+    """Whether the seeds of a row trained on one partition or on one each, so a reader knows what ± includes, and
+    any row that holds a seed twice (runs that differ only in display or executor keys).
 
     None when no row has two seeds."""
+    note = seeds_note(groups)
+    twice = repeated_seeds(groups)
+    if twice and note:
+        return f"{note} {twice}"
+    return note or twice
+
+
+def repeated_seeds(groups: list[Group]) -> str | None:
+    """'fedavg holds seed 0 twice ...' for the rows in which two runs share a seed, else None."""
+    found = []
+    for group in groups:
+        seeds = [run.config.get("run", {}).get("seed") for run in group.runs]
+        twice = sorted({s for s in seeds if seeds.count(s) > 1}, key=value_key)
+        if twice:
+            found.append(f"{group.label} (seed {', '.join(map(str, twice))})")
+    if not found:
+        return None
+    return (
+        f"Repeated seeds: {'; '.join(found)}: runs of one seed that differ only in how they ran (e.g. run.executor, "
+        "run.workers) each count in the mean and ±."
+    )
+
+
+def seeds_note(groups: list[Group]) -> str | None:
     fixed, per_seed = [], []
     for group in groups:
         if len(group.runs) < 2:
@@ -279,28 +396,46 @@ def summary_table(groups: list[Group], metric: str = "test_acc") -> list[Row]:
 
 def summary_row(group: Group, metric: str) -> Row:
     runs = group.runs
-    finals = [v for v in (r.final(metric) for r in runs) if v is not None]
+    final_mean, final_std = mean_std([r.final(metric) for r in runs])
+    best_mean, best_std = mean_std([r.best(metric) for r in runs])
+    dist, dist_std = mean_std([r.final("client_dist_acc") for r in runs])
+    worst, worst_std = mean_std([r.final("client_acc_worst10") for r in runs])
+    personal, personal_std = mean_std([r.final("personal_acc_macro") for r in runs])
     rounds = [r.last_round for r in runs]
     return Row(
         label=group.label,
         metric=metric,
         seeds=len(runs),
-        final_mean=mean(finals),
-        final_std=statistics.stdev(finals) if len(finals) > 1 else None,
-        best_mean=mean([r.best(metric) for r in runs]),
-        client_dist_acc=mean([r.final("client_dist_acc") for r in runs]),
-        client_acc_worst10=mean([r.final("client_acc_worst10") for r in runs]),
-        personal_acc_macro=mean([r.final("personal_acc_macro") for r in runs]),
+        final_mean=final_mean,
+        final_std=final_std,
+        best_mean=best_mean,
+        client_dist_acc=dist,
+        client_acc_worst10=worst,
+        personal_acc_macro=personal,
         rounds=(min(rounds), max(rounds)),
-        extras={key: mean_std([r.final(key) for r in runs]) for key in OPTIONAL_COLUMNS},
+        extras={
+            key: (value_range if key in COUNT_COLUMNS else mean_std)([r.final(key) for r in runs])
+            for key in OPTIONAL_COLUMNS
+        },
         empty_rounds=sum(int(r.summary.get("empty_rounds") or 0) for r in runs),
         failed=sum(r.summary.get("status") == "failed" for r in runs),
+        best_std=best_std,
+        client_dist_acc_std=dist_std,
+        client_acc_worst10_std=worst_std,
+        personal_acc_macro_std=personal_std,
     )
 
 
 def mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
+    """Mean and sample std (ddof=1) of the values present; the std is None below two."""
     present = [v for v in values if v is not None]
     return mean(present), statistics.stdev(present) if len(present) > 1 else None
+
+
+def value_range(values: list[float | None]) -> tuple[float | None, float | None]:
+    """(fewest, most) of the values present: how a count column spans the seeds."""
+    present = [v for v in values if v is not None]
+    return (min(present), max(present)) if present else (None, None)
 
 
 def mean(values: list[float | None]) -> float | None:
@@ -327,13 +462,16 @@ def table_cells(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
     header += trouble
     cells = []
     for r in rows:
-        line = [r.label, str(r.seeds), fmt(r.final_mean, r.final_std, metric=metric), fmt(r.best_mean, metric=metric)]
-        line += [fmt(r.client_dist_acc, metric="acc"), fmt(r.client_acc_worst10, metric="acc")]
+        line = [r.label, str(r.seeds), fmt(r.final_mean, r.final_std, metric=metric)]
+        line += [fmt(r.best_mean, r.best_std, metric=metric)]
+        line += [fmt(r.client_dist_acc, r.client_dist_acc_std, metric="acc")]
+        line += [fmt(r.client_acc_worst10, r.client_acc_worst10_std, metric="acc")]
         if personal:
-            line.append(fmt(r.personal_acc_macro, metric="acc"))
-        line += [fmt(*r.extras.get(k, (None, None)), metric=k) for k in extras]
-        low, high = r.rounds
-        line.append(str(high) if low == high else f"{low}–{high}")
+            line.append(fmt(r.personal_acc_macro, r.personal_acc_macro_std, metric="acc"))
+        for k in extras:
+            value = r.extras.get(k, (None, None))
+            line.append(fmt_range(*value) if k in COUNT_COLUMNS else fmt(*value, metric=k))
+        line.append(fmt_range(*r.rounds))
         line += [str(r.empty_rounds if name == "empty rounds" else r.failed) for name in trouble]
         cells.append(line)
     return header, cells
@@ -346,6 +484,14 @@ def fmt(value: float | None, std: float | None = None, *, metric: str) -> str:
     scale, spec = (100.0, ".2f") if "acc" in metric else (1.0, ".4g")
     text = format(value * scale, spec)
     return text if std is None else f"{text} ± {format(std * scale, spec)}"
+
+
+def fmt_range(low: float | None, high: float | None) -> str:
+    """A count over seeds: ``3`` when every seed agrees, else ``2–5``."""
+    if low is None or high is None:
+        return MISSING
+    low, high = round(low), round(high)
+    return str(high) if low == high else f"{low}–{high}"
 
 
 def print_table(rows: list[Row], console: Console | None = None, title: str | None = None) -> None:
