@@ -107,7 +107,7 @@ def test_to_dataframe_or_a_clear_error_without_pandas(tmp_path):
     try:
         import pandas  # noqa: F401
     except ImportError:
-        with pytest.raises(ImportError, match=r"^to_dataframe needs pandas \(pip install pandas\)"):
+        with pytest.raises(ImportError, match=r"^to_dataframe needs pandas \(pip install 'fedhet\[pandas\]'"):
             result.to_dataframe()
         with pytest.raises(ImportError, match=r"^to_dataframe needs pandas"):
             fedhet.records_dataframe([result])

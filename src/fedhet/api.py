@@ -299,10 +299,45 @@ def report(runs: RunResult | str | Path | Iterable[RunResult | str | Path], metr
 
 
 def records_dataframe(results: Iterable[RunResult]) -> pandas.DataFrame:
-    """Every record of every run as one DataFrame (a ``run`` column names the run folder). Needs pandas."""
+    """Every record of every run as one DataFrame, one row per evaluated round. Before the metrics, columns that
+    say which run a row is from, so a ``groupby`` never merges settings: ``run`` (the folder's name), ``path``
+    (the run folder), ``group`` (the row label ``fedhet report`` gives the run's setting), ``algorithm``,
+    ``server`` (the server optimiser), ``seed``, and one column per setting that differs between the runs, named
+    by its config key (``partition.alpha``: a comparison's grid keys, a variant's parameters). Needs pandas
+    (``pip install 'fedhet[pandas]'``)."""
     try:
         import pandas
     except ImportError:
-        raise ImportError("to_dataframe needs pandas (pip install pandas); .records are plain dicts") from None
-    rows = [{"run": r.name, **record} for r in results for record in r.records]
+        raise ImportError(
+            "to_dataframe needs pandas (pip install 'fedhet[pandas]', or pip install pandas); .records are plain dicts"
+        ) from None
+    from fedhet.results.report import Run, group_runs, run_settings
+
+    results = list(results)
+    settings = [run_settings(r.config) for r in results]
+    # the grid keys, and any other setting that tells runs apart (a key some runs lack counts as differing)
+    every = dict.fromkeys(k for s in settings for k in s if k not in ("algorithm.name", "server.name"))
+    keys = [k for k in every if len({repr(hashable(s.get(k, MISSING_SETTING))) for s in settings}) > 1]
+    runs = [Run(r.run_dir, r.config, r.records, r.summary) for r in results]
+    label = {id(run): group.label for group in group_runs(runs) for run in group.runs}
+    rows = []
+    for result, run, flat in zip(results, runs, settings, strict=True):
+        head = {
+            "run": result.name,
+            "path": str(result.run_dir),
+            "group": label[id(run)],
+            "algorithm": result.config.get("algorithm", {}).get("name"),
+            "server": result.config.get("server", {}).get("name"),
+            "seed": result.config.get("run", {}).get("seed"),
+            **{key: hashable(flat.get(key)) for key in keys},
+        }
+        rows += [{**head, **record} for record in result.records]
     return pandas.DataFrame(rows)
+
+
+MISSING_SETTING = object()  # a setting a run's config lacks (a parameter of another variant's algorithm)
+
+
+def hashable(value: Any) -> Any:
+    """A list setting ([32, 64]) as a tuple, so a column of them can be grouped by."""
+    return tuple(hashable(v) for v in value) if isinstance(value, list) else value
