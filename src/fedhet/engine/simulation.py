@@ -173,6 +173,7 @@ RESUMABLE_CHANGES = (
     "run.max_empty_rounds",
     "run.workers",
     "run.executor",
+    "run.client_metrics",  # whether client_metrics.jsonl is written: a copy of what the clients reported
 )
 # Trackers get copies of what the run folder gets; switching one on or off never changes the numbers. Runs saved
 # before [tracking] existed lack these keys: they count as unchanged too.
@@ -363,6 +364,9 @@ class Simulation:
         self.performance: list[float] | None = None
         self.performance_round = 0
         self.sampling_log: MetricsLog | None = None
+        # each phase's Reply.metrics of the last round, (examples, metrics) per client: aggregated at evaluation
+        self.client_reports: dict[str, dict[int, tuple[int, dict[str, Any]]]] = {}
+        self._client_metrics_started = False  # client_metrics.jsonl cut back to the resumed round once
 
     def build_executor(self, runner: ClientRunner, store: Any) -> Executor:
         """Batched clients, worker processes or one client after another, as ``run.executor`` and ``run.workers``
@@ -448,6 +452,7 @@ class Simulation:
                 if LOCAL_PARAMS in r.tensors
             }
             self.local_kls = [r.metrics["local_kl"] for r in replies.values() if "local_kl" in r.metrics]
+        self.client_reports[phase] = {cid: (r.num_examples, dict(r.metrics)) for cid, r in replies.items()}
         if replies:
             self.algo.aggregate(rnd, replies, phase)
             self.seen.update(replies)
@@ -478,7 +483,53 @@ class Simulation:
         record.update(self.personal_metrics(rnd))
         record.update(self.algo.round_metrics(rnd))
         record.update(self.algo.aggregation_metrics())
+        record.update(self.client_metric_stats())  # after every key above: records only gain keys
+        self.write_client_metrics(rnd)
         return record
+
+    def client_metric_stats(self) -> dict[str, float]:
+        """What the clients put in ``Reply.metrics`` this round, per metric over the clients that reported it:
+        ``clients/<metric>/mean``, ``/min``, ``/max`` and ``/weighted_mean`` (weighted by ``num_examples``); a
+        phase other than "train" adds its name (``clients/posterior/disc_loss/mean``). A flag counts as 0 or 1 (as
+        Flower's MetricRecord carries it), text is left out. A NaN from any client makes all four NaN (stored as
+        null), so a diverged client is never averaged away."""
+        out: dict[str, float] = {}
+        for phase, reports in self.client_reports.items():
+            values: dict[str, list[tuple[float, int]]] = {}
+            for examples, metrics in reports.values():
+                for name, value in metrics.items():
+                    if not isinstance(value, int | float | np.number | np.bool_ | torch.Tensor):
+                        continue
+                    values.setdefault(name, []).append((float(value), examples))
+            prefix = "clients/" if phase == "train" else f"clients/{phase}/"
+            for name in sorted(values):
+                xs = [v for v, _ in values[name]]
+                total = sum(n for _, n in values[name])
+                if any(math.isnan(v) for v in xs):
+                    stats = dict.fromkeys(("mean", "min", "max", "weighted_mean"), math.nan)
+                else:
+                    weighted = sum(v * n for v, n in values[name]) / total if total else math.nan
+                    stats = {"mean": sum(xs) / len(xs), "min": min(xs), "max": max(xs), "weighted_mean": weighted}
+                out.update({f"{prefix}{name}/{stat}": value for stat, value in stats.items()})
+        return out
+
+    def write_client_metrics(self, rnd: int) -> None:
+        """run.client_metrics: each client's ``Reply.metrics`` of round ``rnd``, one line per (phase, client) in
+        ``client_metrics.jsonl`` (``round``, ``phase``, ``client``, ``num_examples``, then the metrics). The first
+        evaluation of a process drops the lines a killed run wrote after its last checkpoint, whether or not the
+        setting is still on."""
+        path = self.run_dir / "client_metrics.jsonl"
+        if not self._client_metrics_started:
+            self._client_metrics_started = True
+            truncate_after(path, rnd - 1)  # the rounds before this one are the resumed checkpoint's
+        if not self.cfg.run.client_metrics:
+            return
+        lines = []
+        for phase, reports in self.client_reports.items():
+            for cid, (examples, metrics) in reports.items():
+                line = {"round": rnd, "phase": phase, "client": cid, "num_examples": examples}
+                lines.append({**line, **{k: v for k, v in metrics.items() if k not in line}})
+        MetricsLog(path).extend(lines)
 
     def dist_samples(self) -> list[np.ndarray] | None:
         """The clients' sampled test sets (run.client_dist_sampled): drawn once from the run seed, so every round

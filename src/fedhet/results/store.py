@@ -31,14 +31,21 @@ class MetricsLog:
 
     def append(self, record: dict) -> str:
         """Write ``record`` as one line; returns the line."""
-        if "round" not in record:
+        return self.extend([record])
+
+    def extend(self, records: list[dict]) -> str:
+        """Write each record as a line, with one fsync for all (client_metrics.jsonl: a line per client); returns
+        the lines."""
+        if any("round" not in record for record in records):
             raise ValueError("a metrics record needs a 'round'")
-        line = to_json(record) + "\n"
+        text = "".join(to_json(record) + "\n" for record in records)
+        if not text:
+            return text
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line)
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        return line
+        return text
 
 
 def read_metrics(path: str | Path) -> list[dict]:
