@@ -120,7 +120,8 @@ def tensorboard_scalars(run_dir, tag):
 def mlflow_run(out_dir, run_id):
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=(out_dir / "mlruns").resolve().as_uri())
+    # fedhet's default store: MLflow's SQLite backend in run.out_dir, which MLflow reads without extra environment
+    client = MlflowClient(tracking_uri="sqlite:///" + str((out_dir / "mlflow.db").resolve()))
     return client, client.get_run(run_id)
 
 

@@ -11,8 +11,15 @@ Resume: the ids of the tracker runs are kept in ``<run folder>/trackers.json``, 
 
 - TensorBoard writes to ``<run folder>/tensorboard`` again with ``purge_step`` = the first round to retrain, so
   the events a killed run wrote after its last checkpoint are dropped when TensorBoard reads the folder.
-- MLflow reopens the same run (same run id). MLflow keeps every value logged for a step, so rounds retrained after a
-  kill appear twice in a metric's history, with equal values (a resumed run is bit-exact).
+- MLflow reopens the same run (same run id) in the same store (its URI is kept in ``trackers.json`` too). MLflow keeps
+  every value logged for a step, so rounds retrained after a kill appear twice in a metric's history, with equal
+  values (a resumed run is bit-exact).
+
+MLflow's store is by default MLflow's SQLite backend, ``sqlite:///<run.out_dir>/mlflow.db``, with the artifacts
+(config.json, summary.json) in ``<run.out_dir>/mlartifacts``: MLflow 2 and 3 read it as it is (``mlflow ui
+--backend-store-uri sqlite:///runs/mlflow.db``, ``MlflowClient("sqlite:///runs/mlflow.db")``), where MLflow 3 reads
+the older file store only with ``MLFLOW_ALLOW_FILE_STORE=true``. The runs of a comparison write one database from
+several processes, so every MLflow call on a SQLite store holds a lock file beside it (``mlflow.db.lock``).
 - W&B resumes the run id (``resume="allow"``). In offline mode each process writes its own ``offline-run-*``
   folder under the same id; ``wandb sync`` merges them into one run. Metrics are logged against ``round``
   (``define_metric``), not W&B's own step counter, so a retrained round lands at its round again.
@@ -22,11 +29,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import random
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +50,8 @@ PACKAGES = {
     "wandb": ("wandb", "wandb"),
 }
 STATE_FILE = "trackers.json"
+MLFLOW_DB = "mlflow.db"  # the default MLflow store, in run.out_dir
+MLFLOW_ARTIFACTS = "mlartifacts"  # the artifacts of the runs in a SQLite store: beside the database
 
 
 def check_installed(flag: str) -> None:
@@ -116,6 +126,51 @@ class TensorBoardTracker:
         self.writer.close()
 
 
+def default_mlflow_uri(out_dir: Path) -> str:
+    """The MLflow store a run writes to unless ``tracking.mlflow_uri`` names one: SQLite in ``run.out_dir``."""
+    return "sqlite:///" + str((out_dir / MLFLOW_DB).resolve())
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI; None for any other store."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///") :].split("?", 1)[0]
+    return None if path in ("", ":memory:") else Path(path)
+
+
+@contextmanager
+def file_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` for the processes of one machine (none where fcntl is missing: Windows)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextmanager
+def quiet_loggers(*names: str) -> Iterator[None]:
+    """MLflow's and alembic's INFO lines while a SQLite store is created ("Creating initial MLflow database
+    tables..."), kept out of the run's output."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
 class MLflowTracker:
     name = "mlflow"
 
@@ -123,24 +178,37 @@ class MLflowTracker:
         from mlflow.tracking import MlflowClient
 
         if uri.startswith("file:"):
-            # MLflow 3.x keeps the local file store (what this tracker writes by default) only on request; a user's
-            # own setting of the variable wins. A database store is chosen with tracking.mlflow_uri=sqlite:///...
+            # MLflow 3.x reads and writes the local file store only on request; a user's own setting of the
+            # variable wins. fedhet's default store is SQLite, which needs nothing.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.client = MlflowClient(tracking_uri=uri)
-        if run_id is not None:
-            self.run_id = run_id
-            self.client.update_run(run_id, status="RUNNING")
-            self.resumed = True
-            return
-        self.run_id = self.client.create_run(self.experiment_id(experiment), run_name=run_name).info.run_id
+        self.uri = uri
+        database = sqlite_path(uri)
+        self.lock_file = database.with_name(database.name + ".lock") if database is not None else None
+        # a SQLite store's runs keep their artifacts beside the database, not in ./mlruns of whatever folder the run
+        # was started from
+        self.artifacts = (database.parent / MLFLOW_ARTIFACTS).resolve().as_uri() if database is not None else None
+        with self.locked(), quiet_loggers("mlflow", "alembic"):
+            if database is not None:
+                database.parent.mkdir(parents=True, exist_ok=True)
+            self.client = MlflowClient(tracking_uri=uri)
+            if run_id is not None:
+                self.run_id = run_id
+                self.client.update_run(run_id, status="RUNNING")
+                self.resumed = True
+                return
+            self.run_id = self.client.create_run(self.experiment_id(experiment), run_name=run_name).info.run_id
         self.resumed = False
+
+    def locked(self):
+        """The store's lock (a SQLite store that several processes of a comparison write), else nothing."""
+        return file_lock(self.lock_file) if self.lock_file is not None else nullcontext()
 
     def experiment_id(self, name: str) -> str:
         found = self.client.get_experiment_by_name(name)
         if found is not None:
             return found.experiment_id
         try:
-            return self.client.create_experiment(name)
+            return self.client.create_experiment(name, artifact_location=self.artifacts)
         except Exception:  # compare cells in parallel processes: another one created it first
             found = self.client.get_experiment_by_name(name)
             if found is None:
@@ -150,26 +218,32 @@ class MLflowTracker:
     def start(self, config: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        self.client.log_dict(self.run_id, config, "config.json")  # replaced on resume: run.rounds may have grown
-        if not self.resumed:  # MLflow params cannot change once logged
-            params = [Param(k, json.dumps(v) if not isinstance(v, str) else v) for k, v in flat_config(config).items()]
-            self.client.log_batch(self.run_id, params=params)
+        with self.locked():
+            self.client.log_dict(self.run_id, config, "config.json")  # replaced on resume: run.rounds may have grown
+            if not self.resumed:  # MLflow params cannot change once logged
+                params = [
+                    Param(k, json.dumps(v) if not isinstance(v, str) else v) for k, v in flat_config(config).items()
+                ]
+                self.client.log_batch(self.run_id, params=params)
 
     def log(self, record: dict[str, Any]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         metrics = [Metric(k, v, now, record["round"]) for k, v in scalars(record).items()]
-        self.client.log_batch(self.run_id, metrics=metrics)
+        with self.locked():
+            self.client.log_batch(self.run_id, metrics=metrics)
 
     def finish(self, summary: dict[str, Any]) -> None:
-        self.client.log_dict(self.run_id, json.loads(to_json(summary)), "summary.json")
-        for key in ("status", "rounds_done"):
-            self.client.set_tag(self.run_id, f"fedhet.{key}", str(summary[key]))
-        self.client.set_terminated(self.run_id, status="FAILED" if summary["status"] == "failed" else "FINISHED")
+        with self.locked():
+            self.client.log_dict(self.run_id, json.loads(to_json(summary)), "summary.json")
+            for key in ("status", "rounds_done"):
+                self.client.set_tag(self.run_id, f"fedhet.{key}", str(summary[key]))
+            self.client.set_terminated(self.run_id, status="FAILED" if summary["status"] == "failed" else "FINISHED")
 
     def close(self) -> None:
-        self.client.set_terminated(self.run_id, status="KILLED")
+        with self.locked():
+            self.client.set_terminated(self.run_id, status="KILLED")
 
 
 class WandbTracker:
@@ -225,7 +299,7 @@ class Trackers:
         if t.tensorboard:
             makers.append(("tensorboard", lambda: TensorBoardTracker(self.run_dir, resumed_at)))
         if t.mlflow:
-            uri = t.mlflow_uri or (self.out_dir / "mlruns").resolve().as_uri()
+            uri = t.mlflow_uri or self.saved_mlflow_uri(saved) or default_mlflow_uri(self.out_dir)
             makers.append(("mlflow", lambda: MLflowTracker(uri, t.experiment, self.name, saved.get("mlflow"))))
         if t.wandb:
             folder = Path(t.wandb_dir) if t.wandb_dir else self.out_dir
@@ -237,12 +311,24 @@ class Trackers:
             if made and self.call(name, tracker.start, config)[0]:
                 self.active.append(tracker)
         ids = {tr.name: tr.run_id for tr in self.active if hasattr(tr, "run_id")}
+        for tracker in self.active:
+            if isinstance(tracker, MLflowTracker):  # a resumed run reopens its MLflow run in the same store
+                ids["mlflow_uri"] = tracker.uri
         if ids:
             write_json_atomic(self.run_dir / STATE_FILE, {**saved, **ids})
 
     def saved_ids(self) -> dict[str, str]:
         path = self.run_dir / STATE_FILE
         return read_json(path) if path.exists() else {}
+
+    def saved_mlflow_uri(self, saved: dict[str, str]) -> str | None:
+        """The store a resumed run's MLflow run is in: the one trackers.json names, or for a run from before fedhet
+        wrote SQLite stores (an id but no URI), the file store it wrote then."""
+        if "mlflow_uri" in saved:
+            return saved["mlflow_uri"]
+        if "mlflow" in saved:
+            return (self.out_dir / "mlruns").resolve().as_uri()
+        return None
 
     def log(self, record: dict[str, Any]) -> None:
         for tracker in list(self.active):
