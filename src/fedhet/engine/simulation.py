@@ -780,8 +780,8 @@ class Simulation:
         if last > every:
             raise CheckpointError(
                 f"cannot resume {self.run_dir}: metrics.jsonl goes to round {last} but checkpoints/ holds no "
-                f"checkpoint (deleted?), so nothing can continue it; start again with {self.flags['overwrite']} (this deletes the "
-                "run folder) or use a new run name"
+                f"checkpoint (deleted?), so nothing can continue it; start again with {self.flags['overwrite']} "
+                "(this deletes the run folder) or use a new run name"
             )
 
     def record_environment(self, resumed_at: int | None) -> None:
