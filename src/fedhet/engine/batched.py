@@ -52,6 +52,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from fedhet.algorithms.base import Algorithm, ClientContext, Message, Reply
 from fedhet.data.types import ClientData
+from fedhet.engine.checkpoint import StateFileError
 from fedhet.engine.client import ClientRunner, LocalExecutor, check_finite, failure_record
 from fedhet.engine.flat import FlatModel, FlatVectors
 from fedhet.engine.local import batch_indices, num_local_steps
@@ -270,6 +271,8 @@ class BatchedExecutor:
         for cid, msg in msgs.items():
             try:
                 contexts[cid] = runner.context(cid, rnd, phase_idx, phase, msg, self.clients[cid], self.store.get(cid))
+            except StateFileError:  # a damaged state file stops the run, as in the sequential executor
+                raise
             except Exception as err:  # e.g. its stored state is unreadable: dropped, as by the sequential executor
                 failures.append(failure_record(rnd, phase, cid, err))
         if not contexts:

@@ -22,7 +22,7 @@ from fedhet.algorithms.base import Algorithm, ClientContext, Message, Reply
 from fedhet.config import TrainSection
 from fedhet.data.augment import Augment
 from fedhet.data.types import ClientData
-from fedhet.engine.checkpoint import CheckpointError
+from fedhet.engine.checkpoint import CheckpointError, StateFileError
 from fedhet.engine.confusion import PAPER_TAU, probability_matrix, soft_confusion, template_kl
 from fedhet.engine.evaluate import evaluate
 from fedhet.engine.flat import FlatModel
@@ -190,6 +190,8 @@ class LocalExecutor:
                 reply, state = self.runner.run(
                     cid, rnd, phase_idx, phase, msgs[cid], self.clients[cid], self.store.get(cid)
                 )
+            except StateFileError:  # a damaged state file is the run's problem, not the client's: it stops the run
+                raise
             except Exception as err:  # a failing client is dropped from the round, never the run
                 failures.append(failure_record(rnd, phase, cid, err))
                 continue

@@ -652,10 +652,9 @@ class Simulation:
             remove_temporaries(folder)
 
         def use(state: dict[str, Any]) -> None:
-            self.check_resumable(state)
             self.executor.load_state_dict(state["executor"])  # refuses, changing nothing, if its state is gone
 
-        loaded, problems = load_latest(self.checkpoint_dir, use)
+        loaded, problems = load_latest(self.checkpoint_dir, use, check=self.check_resumable)  # check: changes nothing
         if loaded is None:
             if problems:
                 raise CheckpointError(

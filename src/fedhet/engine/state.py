@@ -11,13 +11,19 @@ Three stores, chosen by ``run.client_state``:
   data is copied: files are replaced, never rewritten, so a snapshot keeps the version it linked). A snapshot is
   deleted only once no kept checkpoint names it.
 * ``auto`` (default): memory until the states exceed ``run.client_state_budget_mb``, then everything moves to disk.
+
+Every state file is sealed like a checkpoint (``fedhet.engine.checkpoint``: a header with the payload's SHA-256,
+checked on every read, ``STATE_MAGIC``), and a checkpoint records each snapshot file's SHA-256 too. Taking up a
+snapshot verifies all its files before anything changes, so a damaged, truncated or swapped file makes that checkpoint
+unusable (the resume falls back to ``prev.pt`` or refuses, naming the file); a damaged file read while training raises
+``StateFileError``, which stops the run. Files without the header (written before fedhet sealed them) are refused.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -25,7 +31,15 @@ from typing import Any
 
 import torch
 
-from fedhet.engine.checkpoint import CheckpointError
+from fedhet.engine.checkpoint import (
+    STATE_MAGIC,
+    CheckpointError,
+    StateFileError,
+    read_sealed,
+    sealed_digest,
+    sealed_payload,
+    write_sealed,
+)
 
 State = dict[str, torch.Tensor]
 
@@ -77,7 +91,8 @@ class DiskStateStore:
     """One file per client in ``root/current``; ``state_dict`` snapshots it by hard links in ``root/snapshots``.
 
     A snapshot is named in the checkpoint relative to ``root`` (a moved run folder stays resumable) together with
-    the clients it holds, so a checkpoint whose snapshot lost files is refused instead of resuming on empty states.
+    the clients it holds and each file's SHA-256, so a checkpoint whose snapshot lost files, or holds one that is
+    damaged or not the one recorded, is refused instead of resuming on empty or wrong states.
     Snapshots are freed only through ``retain``, after the checkpoints that name them have been replaced.
     """
 
@@ -119,13 +134,15 @@ class DiskStateStore:
         clients = self._clients()
         for cid in clients:
             _link_or_copy(self._path(cid), snap / f"{cid}.pt")
-        return {"kind": "disk", "snapshot": name, "clients": clients}
+        digests = [sealed_digest(snap / f"{cid}.pt", STATE_MAGIC) or "" for cid in clients]
+        return {"kind": "disk", "snapshot": name, "clients": clients, "sha256": digests}
 
     def _snapshot(self, saved: dict[str, Any]) -> Path:
         return self.snapshots / Path(saved["snapshot"]).name  # older checkpoints stored an absolute path
 
     def check(self, saved: dict[str, Any]) -> None:
-        """Raise ``CheckpointError`` if the snapshot ``saved`` names is gone or lost client files."""
+        """Raise ``CheckpointError`` if the snapshot ``saved`` names is gone or lost client files, and
+        ``StateFileError`` (naming the file) if one of its files fails its SHA-256 or is not the one recorded."""
         if saved["kind"] != "disk":
             return
         snap = self._snapshot(saved)
@@ -134,6 +151,14 @@ class DiskStateStore:
         lost = [c for c in saved.get("clients", []) if not (snap / f"{c}.pt").exists()]
         if lost:
             raise CheckpointError(f"{snap} lost the states of clients {lost[:10]}{'...' if len(lost) > 10 else ''}")
+        recorded = dict(zip(saved.get("clients", []), saved.get("sha256", []), strict=False))  # older: no digests
+        for path in sorted(snap.glob("*.pt")):
+            payload = sealed_payload(path, STATE_MAGIC, "fedhet client state", StateFileError)
+            want = recorded.get(int(path.stem)) if path.stem.isdigit() else None
+            if want and hashlib.sha256(payload).hexdigest() != want:
+                raise StateFileError(
+                    f"{path}: not the client state its checkpoint recorded (another SHA-256: replaced or copied here)"
+                )
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.check(saved)  # before anything is changed, so a refused checkpoint leaves the store as it was
@@ -191,13 +216,13 @@ class AutoStateStore:
         return self.store.state_dict()
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self.disk.check(saved)
         if saved["kind"] == "disk":
+            self.disk.load_state_dict(saved)  # checks (verifies every file) before it changes anything
             self.store = self.disk
         else:  # back before the spill: files a later round wrote must not come back when it spills again
             self.disk.clear()
             self.store = MemoryStateStore()
-        self.store.load_state_dict(saved)
+            self.store.load_state_dict(saved)
 
     def retain(self, saved: list[dict[str, Any]]) -> None:
         self.disk.retain(saved)
@@ -207,19 +232,18 @@ class AutoStateStore:
 
 
 def save_state_file(state: State, path: Path) -> None:
-    """Write ``state`` to ``path`` atomically: a temporary file in the same folder, then renamed over ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="tmp", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Seal ``state`` into ``path`` atomically (``STATE_MAGIC``, its SHA-256, the payload): a temporary file
+    ``tmp*.tmp`` in the same folder, then renamed over ``path``."""
+    write_sealed(path, state, STATE_MAGIC, prefix="tmp")
 
 
 def load_state_file(path: Path) -> State:
-    return torch.load(path, weights_only=True)
+    """The state sealed in ``path``; ``StateFileError`` naming ``path`` if it is damaged, truncated or unsealed.
+    Tensors come back on the device they were saved from, as ``torch.load`` gives them."""
+    state = read_sealed(path, STATE_MAGIC, "fedhet client state", StateFileError, map_location=None)
+    if not isinstance(state, dict):
+        raise StateFileError(f"{path}: holds no client state")
+    return state
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

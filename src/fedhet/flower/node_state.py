@@ -14,7 +14,10 @@ keeps the history of the attempts that led to its checkpoint and sends it with e
 
 A node with a state folder (``--node-config 'state-dir="/var/lib/fedhet"'``) writes each client's state after each
 training as a new file ``<state-dir>/<run>/client-<id>/r<round>-p<phase>-<attempt>.pt`` (a temporary file, then
-renamed: a crash leaves the previous versions intact) and reads the newest version that the history counts. After
+renamed: a crash leaves the previous versions intact) and reads the newest version that the history counts. A version
+is sealed with the SHA-256 of its content, as a checkpoint is (``fedhet.engine.state.save_state_file``), and checked
+when read: a damaged, truncated or unsealed one raises ``StateFileError`` naming the file, so the client's training
+fails with that message instead of training on it (an older version is never silently used in its place). After
 writing, it deletes the client's versions that no resume can need any more: it keeps the newest counted version at
 or before each kept checkpoint's round and the newest counted version overall. It never deletes anything but
 version files in its own client folders.
