@@ -51,7 +51,7 @@ def available_memory(device: torch.device) -> tuple[int, str] | None:
             free, _total = torch.cuda.mem_get_info(device)
         except (RuntimeError, AssertionError):
             return None
-        return int(free), f"free on {device} (torch.cuda.mem_get_info)"
+        return int(free), "free (torch.cuda.mem_get_info)"
     if device.type != "cpu":
         return None
     found = []
