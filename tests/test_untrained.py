@@ -227,3 +227,37 @@ def test_a_full_disk_stops_the_run_in_one_line_and_resume_ends_bit_exact(tiny_co
     assert [{k: r[k] for k in stable} for r in read_metrics(resumed.run_dir / "metrics.jsonl")] == [
         {k: r[k] for k in stable} for r in read_metrics(full.run_dir / "metrics.jsonl")
     ]
+
+
+def test_a_full_disk_while_writing_a_client_state_stops_the_run_and_resume_ends_bit_exact(tiny_config, monkeypatch):
+    from fedhet.engine import state as state_module
+
+    def make(name):
+        return tiny_config(
+            run={"name": name, "rounds": 4, "client_state": "disk"},
+            partition={"name": "iid", "num_clients": 8},
+            model={"name": "logreg"},
+            train={"clients_per_round": 4, "batch_size": 8},
+            algorithm={"name": "scaffold"},
+        )
+
+    full = Simulation(make("full"))
+    full.run()
+    sim = Simulation(make("cut"))
+    real = state_module.write_sealed
+    calls = []
+
+    def write(path, obj, magic, **kwargs):
+        calls.append(path)
+        if len(calls) == 10:  # a client's state in round 3
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, obj, magic, **kwargs)
+
+    monkeypatch.setattr(state_module, "write_sealed", write)
+    with pytest.raises(DiskFull, match=r"No space left on device under .*cut in round 3: the run stopped; round 2"):
+        sim.run()
+    assert summary_of(sim)["status"] == "failed"
+    monkeypatch.undo()
+    resumed = Simulation(make("cut"))
+    resumed.run(resume=True)
+    torch.testing.assert_close(resumed.algo.global_params, full.algo.global_params, rtol=0, atol=0)
