@@ -236,10 +236,11 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
     """The model (seeded from the run seed), the algorithm with its server side initialised, and the client runner
     for a run of ``cfg`` on ``fed``. The simulation and every Flower node build theirs here, so a client's reply
     depends only on (config, message, data, state), never on where it runs."""
-    from fedhet.models import build_model
+    from fedhet.models import build_model, check_model_fits
 
     plugins.load(cfg.run.plugins)  # worker processes and Flower nodes start here
     device = torch.device(cfg.run.device)
+    check_model_fits(cfg, fed, device)  # a model too big for the device: one ConfigError, before it is allocated
     algo_cls, algo_cfg = algorithm_config(cfg)
 
     def make_model():
