@@ -24,6 +24,7 @@ import sys
 from collections.abc import Iterable
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import Any
 
 from fedhet.errors import ConfigError
 
@@ -147,3 +148,178 @@ def _load_module(name: str) -> str:
 
 def _why(err: Exception) -> str:
     return " ".join(f"{type(err).__name__}: {err}".split())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Provenance of one's own code: what a run's plug-ins and fedhet itself were when it ran. provenance.json records
+# ``{"fedhet": version_info(), "plugins": fingerprints(cfg.run.plugins)}``; a resume (``fedhet resume``, ``fedhet
+# run --resume``) and a comparison's finished or resumable cell compare the saved fingerprints with the current ones
+# (``changed``) and refuse, in one line naming the file, unless the user accepts the change
+# (``--accept-changed-plugins``, ``accept_changed_plugins=True``): a plug-in edited after a run started would
+# otherwise be skipped as finished or continued under code that did not compute the rounds before.
+
+ACCEPT_FLAG = "--accept-changed-plugins"
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def _tree_hash(root: Path) -> str:
+    """SHA-256 over every .py file under ``root`` (its path relative to ``root``, then its bytes), sorted by path;
+    ``__pycache__`` and hidden folders left out."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    files = sorted(
+        p
+        for p in root.rglob("*.py")
+        if not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(root).parts)
+    )
+    for path in files:
+        rel = path.relative_to(root).as_posix().encode()
+        data = path.read_bytes()
+        digest.update(len(rel).to_bytes(8, "big") + rel + len(data).to_bytes(8, "big") + data)
+    return digest.hexdigest()
+
+
+def fingerprint(spec: str) -> dict[str, str]:
+    """What the plug-in ``spec`` is now: ``{"sha256": ..., "path": ...}`` (a file: the hash of its bytes; a module:
+    of its source file, or of every .py file of its package), or ``{"error": why}`` when it cannot be read."""
+    try:
+        if is_file(spec):
+            path = Path(spec)
+            return {"kind": "file", "path": str(path), "sha256": _sha256(path.read_bytes())}
+        found = importlib.util.find_spec(spec)
+        origin = found.origin if found is not None else None
+        if found is None or origin is None or not os.path.isfile(origin):
+            return {"kind": "module", "error": "no source file found"}
+        locations = list(found.submodule_search_locations or [])
+        if locations:  # a package: every .py file of it
+            root = Path(locations[0])
+            return {"kind": "package", "path": str(root), "sha256": _tree_hash(root)}
+        return {"kind": "module", "path": origin, "sha256": _sha256(Path(origin).read_bytes())}
+    except (OSError, ImportError, ValueError) as err:
+        return {"kind": "file" if is_file(spec) else "module", "error": _why(err)}
+
+
+def fingerprints(specs: Iterable[str]) -> dict[str, dict[str, str]]:
+    """spec -> ``fingerprint(spec)`` for every plug-in of a run (``run.plugins``) and every installed ``fedhet.plugins``
+    entry point (``entry-point:NAME``, the module or package its value names)."""
+    out = {spec: fingerprint(spec) for spec in specs}
+    for ep in entry_points(group=GROUP):
+        out[f"entry-point:{ep.name}"] = fingerprint(ep.value.split(":", 1)[0].strip())
+    return out
+
+
+def changed(saved: dict[str, Any] | None, current: dict[str, Any]) -> list[str]:
+    """The plug-ins whose code differs between ``saved`` (provenance.json's ``plugins``) and ``current``, each as
+    "file X (sha256 abc... -> def...)". A plug-in is compared by its file (or module) name, so a run folder moved
+    with its plug-in (a new absolute path, the same bytes) is unchanged; one recorded without a hash (a run from
+    before fedhet recorded them: ``saved`` None) is not compared."""
+    if not saved:
+        return []
+    by_name = {_plugin_key(spec): info for spec, info in current.items()}
+    out = []
+    for spec, old in saved.items():
+        if not isinstance(old, dict) or "sha256" not in old:
+            continue
+        new = current.get(spec) or by_name.get(_plugin_key(spec))
+        what = f"{old.get('kind', 'plug-in')} {old.get('path') or spec}"
+        if new is None:
+            continue  # no longer a plug-in of this run (replaced with --plugin): config_changes words a component
+        if "sha256" not in new:
+            out.append(f"{what} ({new.get('error', 'unreadable')})")
+        elif new["sha256"] != old["sha256"]:
+            where = "" if new.get("path") == old.get("path") else f", now {new.get('path')}"
+            out.append(f"{what} (sha256 {old['sha256'][:12]} -> {new['sha256'][:12]}{where})")
+    return out
+
+
+def _plugin_key(spec: str) -> str:
+    return Path(spec).name if is_file(spec) else spec
+
+
+# set by --accept-changed-plugins (accept_changes()); an environment variable, so compare's worker processes and
+# Flower's see it too
+ACCEPT_ENV = "FEDHET_ACCEPT_CHANGED_PLUGINS"
+
+
+def accept_changes(accept: bool = True) -> None:
+    """``--accept-changed-plugins``: this process and those it starts continue runs whose plug-ins changed."""
+    if accept:
+        os.environ[ACCEPT_ENV] = "1"
+    else:
+        os.environ.pop(ACCEPT_ENV, None)
+
+
+def accepting_changes() -> bool:
+    return os.environ.get(ACCEPT_ENV, "") not in ("", "0")
+
+
+def check_unchanged(
+    saved: dict[str, Any] | None, current: dict[str, Any], where: str | Path, accept: bool | None = None
+) -> list[str]:
+    """Refuse (ConfigError, one line) to go on with run folder ``where`` when a plug-in changed since its run
+    recorded ``saved``, unless ``accept`` (None: ``--accept-changed-plugins`` was given, ``accepting_changes()``);
+    returns the changes (for a warning when accepted)."""
+    if accept is None:
+        accept = accepting_changes()
+    diffs = changed(saved, current)
+    if diffs and not accept:
+        raise ConfigError(
+            f"cannot continue {where}: its plug-in code changed since the run recorded it: {'; '.join(diffs)}; "
+            f"restore it, or pass {ACCEPT_FLAG} (accept_changed_plugins=True) to continue under the new code, or "
+            "start a new run (--overwrite or another run.name)"
+        )
+    return diffs
+
+
+def saved_fingerprints(run_dir: str | Path) -> dict[str, Any] | None:
+    """The plug-in fingerprints a run folder's provenance.json recorded, or None (none recorded, unreadable)."""
+    import json
+
+    try:
+        info = json.loads((Path(run_dir) / "provenance.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    plugins = info.get("plugins") if isinstance(info, dict) else None
+    return plugins if isinstance(plugins, dict) else None
+
+
+def fedhet_version() -> dict[str, Any]:
+    """``{"version": "0.1.0"}``, plus ``"commit"`` (and ``"dirty": True`` when tracked files differ from it) when
+    fedhet runs from a git checkout; provenance.json's ``fedhet_code`` and ``fedhet --version``."""
+    import subprocess
+
+    from fedhet import __version__
+
+    info: dict[str, Any] = {"version": __version__}
+    root = Path(__file__).resolve().parent.parent.parent  # src/fedhet -> the checkout's root
+    if not (root / ".git").exists():
+        return info  # an installed copy: its version says what it is
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", "src"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return info
+    if commit:
+        info["commit"] = commit
+        info["dirty"] = bool(status.strip())
+    return info
+
+
+def provenance(specs: Iterable[str]) -> dict[str, Any]:
+    """What provenance.json records of the code that ran: ``{"fedhet_code": fedhet_version(), "plugins":
+    fingerprints(specs)}``."""
+    return {"fedhet_code": fedhet_version(), "plugins": fingerprints(specs)}
