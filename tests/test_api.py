@@ -30,9 +30,12 @@ def test_the_readme_example_runs(tmp_path, monkeypatch, capsys):
     exec(compile(README_EXAMPLE, "README.md", "exec"), {})
     printed = capsys.readouterr().out.splitlines()
     acc, rounds = printed[0].split()
-    assert 0 <= float(acc) <= 1 and rounds == "3"
+    assert 0.8 <= float(acc) <= 1 and rounds == "3"  # the README's settings learn (issue 27): 89 %
     assert [line.split(":")[0] for line in printed[1:]] == ["fedavg", "scaffold"]
-    assert (tmp_path / "runs" / "scaffold-digits-dirichlet-s0" / "metrics.jsonl").is_file()
+    # the default name carries a hash of the non-default settings (issue 27)
+    assert [p.name for p in (tmp_path / "runs").glob("scaffold-digits-dirichlet-s0-*/metrics.jsonl")] == [
+        "metrics.jsonl"
+    ]
     assert sorted(p.name for p in (tmp_path / "study").iterdir() if p.is_dir()) == [
         "fedavg-s0",
         "fedavg-s1",

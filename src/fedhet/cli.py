@@ -13,6 +13,7 @@ from rich.table import Table
 
 from fedhet import api
 from fedhet.cli_shared import (
+    AcceptPluginsOpt,
     AlgorithmOpt,
     ClientsOpt,
     ConfigOpt,
@@ -28,6 +29,7 @@ from fedhet.cli_shared import (
     ServerOpt,
     SetOpt,
     ThreadsOpt,
+    check_shortcut_conflicts,
     console,
     err_console,
     interrupted,
@@ -45,6 +47,28 @@ app = typer.Typer(
     help="Federated learning on non-IID data: run, compare and report FL algorithms.",
 )
 app.add_typer(flower_app, name="flower")  # fedhet flower app | simulate | export (fedhet.flower.cli)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from fedhet.plugins import fedhet_version
+
+        info = fedhet_version()
+        commit = f" (git {info['commit'][:12]}{', modified' if info.get('dirty') else ''})" if "commit" in info else ""
+        console.print(f"fedhet {info['version']}{commit}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print fedhet's version (and git commit), exit."
+        ),
+    ] = False,
+) -> None:
+    """Federated learning on non-IID data: run, compare and report FL algorithms."""
 
 
 @app.command()
@@ -66,12 +90,15 @@ def run(
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's last checkpoint.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run folder.")] = False,
     threads: ThreadsOpt = None,
+    accept_changed_plugins: AcceptPluginsOpt = False,
 ) -> None:
     """Train one algorithm on one federated setting; writes a run folder (config, metrics, checkpoints)."""
     from fedhet.engine.rundir import check_run_flags
     from fedhet.paths import check_config_paths
+    from fedhet.plugins import accept_changes
 
     check_run_flags(resume, overwrite)
+    accept_changes(accept_changed_plugins)
     set_threads(threads)
     cfg = api.make_config(
         config,
@@ -98,8 +125,12 @@ def resume(
         typer.Option("--plugin", help="Replace the run's plug-ins (run.plugins), e.g. where their files moved."),
     ] = None,
     threads: ThreadsOpt = None,
+    accept_changed_plugins: AcceptPluginsOpt = False,
 ) -> None:
     """Continue a killed run (or extend a finished one) from its folder alone, with the config saved in it."""
+    from fedhet.plugins import accept_changes
+
+    accept_changes(accept_changed_plugins)
     set_threads(threads)
     with interrupted(f"the last checkpoint is kept; continue with: fedhet resume {run_dir}"):
         result = api.resume(run_dir, rounds, set_ or (), plugins=plugin, console=err_console)
@@ -165,14 +196,17 @@ def compare(
         bool, typer.Option("--resume", help="Accepted for old scripts: compare always continues unfinished cells.")
     ] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Rerun every cell from scratch.")] = False,
+    accept_changed_plugins: AcceptPluginsOpt = False,
 ) -> None:
     """Run several algorithms (x seeds x grid values) on the same setting; print a table and write an accuracy plot.
 
     Rerunning the same command skips finished cells and continues killed ones from their last checkpoint."""
     from fedhet.cells import parse_jobs
     from fedhet.engine.rundir import check_run_flags
+    from fedhet.plugins import accept_changes
 
     check_run_flags(resume, overwrite)
+    accept_changes(accept_changed_plugins)
     with interrupted(
         "every cell keeps its last checkpoint; run the same command again to continue (finished cells are "
         "skipped, the others resume)"
@@ -191,7 +225,7 @@ def compare(
             plugins=plugin or (),
             console=console,
             err_console=err_console,
-            **shortcuts(locals()),
+            **shortcuts(locals(), unchecked=("name",)),
         )
 
 
@@ -215,16 +249,9 @@ def partition_cmd(
     from fedhet.results.plots import plot_label_distribution
 
     check_output_file(plot, "--plot")
-    cfg = api.make_config(
-        config,
-        set_,
-        plugins=plugin or (),
-        dataset=dataset,
-        partition=partition,
-        clients=clients,
-        seed=seed,
-        data_dir=data_dir,
-    )
+    given = {"dataset": dataset, "partition": partition, "clients": clients, "seed": seed, "data_dir": data_dir}
+    check_shortcut_conflicts(set_ or (), given)
+    cfg = api.make_config(config, set_, plugins=plugin or (), **given)
     fed = build_federation(cfg)
     counts = fed.train_counts
     table = Table(title=f"{cfg.dataset.name} / {cfg.partition.name} {cfg.partition.params() or ''}")
@@ -307,16 +334,39 @@ def report(
         console.print(f"html: {write_html(groups, html, metrics=(metric,), smooth=smooth, panels=panels)}")
 
 
+# what `fedhet list` takes: each kind in the plural, its singular, and the config section that names it
+LIST_ALIASES = {
+    "dataset": "datasets",
+    "partitioner": "partitioners",
+    "partition": "partitioners",
+    "model": "models",
+    "algorithm": "algorithms",
+    "server": "servers",
+    "server_optimizer": "servers",
+    "server_optimiser": "servers",
+}
+
+
 @app.command("list")
 def list_cmd(
-    what: Annotated[str | None, typer.Argument(help="datasets | partitioners | models | algorithms | servers")] = None,
+    what: Annotated[
+        str | None,
+        typer.Argument(
+            help="datasets | partitioners | models | algorithms | servers (singular too) | config (every setting)"
+        ),
+    ] = None,
     plugin: PluginOpt = None,
+    markdown: Annotated[
+        bool, typer.Option("--markdown", help="With 'config': print the reference as Markdown (docs/config.md).")
+    ] = False,
 ) -> None:
-    """List what fedhet offers (and the plug-ins provide), with one-line descriptions and each parameter's default."""
+    """List what fedhet offers (and the plug-ins provide), with one-line descriptions and each parameter's default;
+    ``fedhet list config`` lists every config key."""
     from fedhet import plugins
     from fedhet.algorithms import ALGORITHMS, SERVER_OPTIMIZERS
     from fedhet.data.datasets import DATASETS
     from fedhet.data.partition import PARTITIONERS
+    from fedhet.errors import unknown_choice
     from fedhet.models import MODELS
 
     kinds = {
@@ -326,13 +376,31 @@ def list_cmd(
         "algorithms": ALGORITHMS,
         "servers": SERVER_OPTIMIZERS,
     }
-    if what is not None and what not in kinds:
-        raise ConfigError(f"unknown list {what!r}; choose one of: {', '.join(kinds)}")
+    if what is not None:
+        what = what.strip().lower()
+        what = LIST_ALIASES.get(what, what)
+        if what not in (*kinds, "config"):
+            raise unknown_choice("list", what, [*kinds, "config"])
+    if markdown and what != "config":
+        raise ConfigError("--markdown goes with 'fedhet list config' (the reference of every config key)")
     try:
         specs = [plugins.normalise(spec) for spec in plugin or ()]
     except ValueError as err:
         raise ConfigError(f"--plugin: {err}") from None
     plugins.load(specs)
+    if what == "config":
+        from fedhet.config import config_markdown, config_rows
+
+        if markdown:
+            print(config_markdown(), end="")
+            return
+        table = Table(title="config keys", show_lines=False, title_justify="left")
+        for column in ("key", "type", "default", "description"):
+            table.add_column(column, style="bold" if column == "key" else None)
+        for row in config_rows():
+            table.add_row(*(escape(str(v)) for v in row))
+        console.print(table)
+        return
     for kind, registry in kinds.items():
         if what not in (None, kind):
             continue

@@ -37,20 +37,44 @@ PluginOpt = Annotated[
         "Installed packages' fedhet.plugins entry points load without it.",
     ),
 ]
-AlgorithmOpt = Annotated[str | None, typer.Option("--algorithm", "-a", help="Algorithm (fedhet list algorithms).")]
-DatasetOpt = Annotated[str | None, typer.Option("--dataset", "-d")]
-PartitionOpt = Annotated[str | None, typer.Option("--partition", "-p", help="Partitioner.")]
-ModelOpt = Annotated[str | None, typer.Option("--model", "-m")]
-ServerOpt = Annotated[str | None, typer.Option("--server", help="Server optimiser (sgd, fedavgm, fedadam...).")]
-RoundsOpt = Annotated[int | None, typer.Option("--rounds", "-r")]
-ClientsOpt = Annotated[int | None, typer.Option("--clients", "-n", help="Number of clients.")]
-SeedOpt = Annotated[int | None, typer.Option("--seed")]
+AlgorithmOpt = Annotated[
+    str | None, typer.Option("--algorithm", "-a", help="Algorithm (algorithm.name; fedhet list algorithms).")
+]
+DatasetOpt = Annotated[
+    str | None, typer.Option("--dataset", "-d", help="Dataset (dataset.name; fedhet list datasets), e.g. digits.")
+]
+PartitionOpt = Annotated[
+    str | None, typer.Option("--partition", "-p", help="Partitioner (partition.name; fedhet list partitioners).")
+]
+ModelOpt = Annotated[
+    str | None, typer.Option("--model", "-m", help="Model (model.name; fedhet list models), e.g. mlp, cnn, lenet5.")
+]
+ServerOpt = Annotated[
+    str | None, typer.Option("--server", help="Server optimiser (server.name: sgd, fedavgm, fedadam...).")
+]
+RoundsOpt = Annotated[int | None, typer.Option("--rounds", "-r", help="Rounds to train (run.rounds).")]
+ClientsOpt = Annotated[int | None, typer.Option("--clients", "-n", help="Number of clients (partition.num_clients).")]
+SeedOpt = Annotated[int | None, typer.Option("--seed", help="Seed of the run (run.seed).")]
 OutOpt = Annotated[str | None, typer.Option("--out", "-o", help="Parent folder of run folders (run.out_dir).")]
 NameOpt = Annotated[str | None, typer.Option("--name", help="The run's folder name (run.name).")]
-DataDirOpt = Annotated[str | None, typer.Option("--data-dir")]
+DataDirOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--data-dir",
+        help="Folder that holds (or receives) the dataset's files (dataset.data_dir); default $FEDHET_DATA, else the "
+        "system data folder. Searched alone when given.",
+    ),
+]
 ThreadsOpt = Annotated[
     int | None,
     typer.Option("--threads", min=1, help="Torch threads to train with (default: torch's own, one per usable core)."),
+]
+AcceptPluginsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--accept-changed-plugins",
+        help="Continue (or skip as finished) runs whose plug-in files changed since they ran; refused by default.",
+    ),
 ]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show the libraries' own logs and warnings (Flower, Ray).")]
 
@@ -70,9 +94,56 @@ SHORTCUTS = (
 )
 
 
-def shortcuts(values: dict[str, Any]) -> dict[str, Any]:
-    """The shortcut options among a command's arguments (its ``locals()``), as ``api.make_config`` takes them."""
-    return {key: values[key] for key in SHORTCUTS}
+def shortcuts(values: dict[str, Any], unchecked: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The shortcut options among a command's arguments (its ``locals()``), as ``api.make_config`` takes them;
+    refuses a shortcut and an ``-s`` of the same setting with different values (``-n 6 -s partition.num_clients=4``),
+    except for the shortcuts in ``unchecked`` (compare's ``--name`` is the comparison's folder, not run.name)."""
+    given = {key: values.get(key) for key in SHORTCUTS}
+    check_shortcut_conflicts(values.get("set_") or (), {k: v for k, v in given.items() if k not in unchecked})
+    return given
+
+
+# shortcut -> how the command line spells it, for messages
+SHORTCUT_FLAGS = {
+    "algorithm": "-a",
+    "dataset": "-d",
+    "partition": "-p",
+    "model": "-m",
+    "server": "--server",
+    "rounds": "-r",
+    "clients": "-n",
+    "seed": "--seed",
+    "out": "-o",
+    "name": "--name",
+    "data_dir": "--data-dir",
+}
+
+
+def check_shortcut_conflicts(sets: list[str] | tuple[str, ...], given: dict[str, Any]) -> None:
+    """One error for a shortcut flag and an ``-s`` override that set the same key to different values: ``-s
+    partition.num_clients=4 -n 6`` would otherwise train 4 clients without a word. Equal values are fine."""
+    from fedhet.api import SHORTCUTS as KEYS
+    from fedhet.config import parse_value
+    from fedhet.errors import ConfigError
+
+    overrides: dict[str, Any] = {}
+    for item in sets:
+        if "=" in item:  # a malformed one is worded by make_config
+            key, value = item.split("=", 1)
+            overrides[".".join(p.strip() for p in key.strip().split("."))] = parse_value(value)
+    clashes = []
+    for short, value in given.items():
+        key = KEYS[short]
+        if value is None or key not in overrides:
+            continue
+        other = overrides[key]
+        # a value of another type (-s run.rounds=true) is not a rival setting but a wrong one: validation words it
+        if type(other) is type(value) and other != value:
+            clashes.append(f"{SHORTCUT_FLAGS[short]} {value} and -s {key}={other}")
+    if clashes:
+        raise ConfigError(
+            f"conflicting settings: {'; '.join(clashes)} set the same key to different values; give one of them"
+        )
 
 
 def set_threads(threads: int | None) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from fedhet.errors import ConfigError
+from fedhet.errors import ConfigError, FedhetError, suggestion
 from fedhet.params import Params, Seed, problem, shown
 
 if sys.version_info >= (3, 11):
@@ -32,18 +32,18 @@ class _Strict(Params):
 
 class RunSection(_Strict):
     name: str | None = None  # default: derived from algorithm, dataset, partition and seed
-    seed: Seed = 0
-    rounds: int = Field(20, ge=1)
-    out_dir: str = "runs"
-    eval_every: int = Field(1, ge=1)
-    checkpoint_every: int = Field(1, ge=1)
+    seed: Seed = 0  # seeds every random stream: partition (unless partition.seed), initial model, sampling
+    rounds: int = Field(20, ge=1)  # communication rounds to train (a finished run can be extended)
+    out_dir: str = "runs"  # parent folder of run folders (relative: to the working directory)
+    eval_every: int = Field(1, ge=1)  # evaluate every N rounds (and always the last)
+    checkpoint_every: int = Field(1, ge=1)  # write a checkpoint every N rounds (and always the last)
     ema: float = Field(0.9, ge=0.0, lt=1.0)  # FedRCL reports accuracy EMA with 0.9 (notes/fedrcl.md section 4)
-    device: str = "cpu"
-    eval_batch_size: int = Field(1024, ge=1)
-    progress: bool = True
+    device: str = "cpu"  # cpu, cuda, cuda:N or mps
+    eval_batch_size: int = Field(1024, ge=1)  # batch size of evaluation passes (no effect on the numbers)
+    progress: bool = True  # the progress bar (a terminal) or one line per evaluation (redirected output)
     # where client-held state lives: "auto" keeps it in memory until it passes the budget, then moves it to disk
     client_state: Literal["auto", "memory", "disk"] = "auto"
-    client_state_budget_mb: float = Field(2048.0, gt=0.0)
+    client_state_budget_mb: float = Field(2048.0, gt=0.0)  # with client_state = "auto": memory before disk
     # stop (with an error) after this many rounds in a row in which every client failed
     max_empty_rounds: int = Field(3, ge=1)
     # processes that train a round's clients (one thread each); 0 = auto: one per core on a CPU with >= 4 cores and
@@ -147,16 +147,16 @@ def check_device(text: str, available: bool = True) -> None:
 class TrainSection(_Strict):
     participation: float = Field(1.0, gt=0.0, le=1.0)  # fraction of clients per round
     clients_per_round: int | None = Field(None, ge=1)  # overrides participation when set
-    local_epochs: float = Field(1.0, gt=0.0)
+    local_epochs: float = Field(1.0, gt=0.0)  # passes over its data a client makes per round
     local_steps: int | None = Field(None, ge=1)  # a fixed number of local steps, overrides local_epochs
-    batch_size: int = Field(64, ge=1)
-    lr: float = Field(0.01, gt=0.0)
+    batch_size: int = Field(64, ge=1)  # local mini-batch size
+    lr: float = Field(0.01, gt=0.0)  # client learning rate (SGD)
     lr_decay: float = Field(1.0, gt=0.0, le=1.0)  # per-round multiplicative client lr decay (FedRCL: 0.998)
-    momentum: float = Field(0.0, ge=0.0, lt=1.0)
-    nesterov: bool = False
-    weight_decay: float = Field(0.0, ge=0.0)
+    momentum: float = Field(0.0, ge=0.0, lt=1.0)  # client SGD momentum (reset every round)
+    nesterov: bool = False  # Nesterov momentum (needs momentum > 0)
+    weight_decay: float = Field(0.0, ge=0.0)  # client L2 weight decay
     grad_clip: float | None = Field(None, gt=0.0)  # max global gradient norm
-    augment: Literal["none", "crop_flip", "crop_flip_rotate", "crop"] = "none"
+    augment: Literal["none", "crop_flip", "crop_flip_rotate", "crop"] = "none"  # client-side image augmentation
     # how a round's clients are chosen: "uniform" at random; "dynamic" is FedUFO's dynamic sampling (Sec. 3.3.2):
     # a sampling_worst share of them are the clients the current global model serves worst, the rest at random
     sampling: Literal["uniform", "dynamic"] = "uniform"
@@ -185,7 +185,8 @@ class _Component(Params):
 
 
 class DatasetSection(_Component):
-    name: str = "fmnist"
+    name: str = "fmnist"  # fedhet list datasets
+    # folder that holds (or receives) the files; default $FEDHET_DATA, else the system data folder
     data_dir: str | None = None
     # a class-stratified fraction of the training set, the same for every seed (quick studies on a small machine;
     # the test set stays whole); recorded in provenance.json
@@ -198,8 +199,8 @@ class DatasetSection(_Component):
 
 
 class PartitionSection(_Component):
-    name: str = "dirichlet"
-    num_clients: int = Field(20, ge=1)
+    name: str = "dirichlet"  # fedhet list partitioners
+    num_clients: int = Field(20, ge=1)  # clients the training set is split across
     seed: Seed | None = None  # default: run.seed
     local_test_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # FedRANE 0.25, FedBC 0.2
     # where a client's local test data come from: "split" = local_test_fraction of its own training data; "matched"
@@ -212,11 +213,11 @@ class PartitionSection(_Component):
 
 
 class ModelSection(_Component):
-    name: str = "cnn"
+    name: str = "cnn"  # fedhet list models
 
 
 class AlgorithmSection(_Component):
-    name: str = "fedavg"
+    name: str = "fedavg"  # fedhet list algorithms
 
 
 class ServerSection(_Component):
@@ -321,7 +322,8 @@ class Config(_Strict):
         problem = name_problem(out_dir, here)
         if problem:
             raise ValueError(f"run.out_dir {quoted(out_dir)} {problem}")
-        name = self.run.name or self.default_name()
+        # the derived name's length without resolving its components (that loads plug-ins): its hash is fixed-size
+        name = self.run.name or self.legacy_name() + "-" + "0" * NAME_HASH_CHARS
         name_max, _ = limits(out_dir, here)
         size = len(os.fsencode(name))
         if size > name_max:
@@ -340,29 +342,164 @@ class Config(_Strict):
             return self.train.clients_per_round
         return max(1, round(self.train.participation * self.partition.num_clients))
 
-    def default_name(self) -> str:
+    def legacy_name(self) -> str:
+        """The readable part of the derived name, and all of it before fedhet told settings apart by a hash:
+        ``scaffold-fmnist-dirichlet-s0``."""
         return f"{self.algorithm.name}-{self.dataset.name}-{self.partition.name}-s{self.run.seed}"
+
+    def default_name(self) -> str:
+        """The run folder's name when ``run.name`` is unset: ``scaffold-fmnist-dirichlet-s0`` for a config whose every
+        other setting is its default, else that plus a short hash of the settings that are not
+        (``scaffold-fmnist-dirichlet-s0-3f9a0c21``), so two configs that differ in anything that changes the numbers
+        (the server optimiser, an algorithm parameter, the learning rate) never share a folder, and ``--resume``
+        with the same config finds it again. What may change on resume (``run.rounds``, display and worker keys,
+        trackers) and where things are (``run.out_dir``, ``run.plugins``) are left out of the hash.
+
+        A folder named the old way (``legacy_name``) that holds a run of exactly this config is kept: runs started
+        before the hash existed still resume under ``fedhet run --resume``."""
+        base = self.legacy_name()
+        digest = settings_hash(self)
+        name = f"{base}-{digest}" if digest else base
+        if digest and not _holds_run(Path(self.run.out_dir) / name) and _holds_same_run(self, base):
+            return base
+        return name
+
+    def non_default_settings(self) -> dict[str, Any]:
+        """``"section.key" -> value`` of every setting (components resolved where they can be) that is not its
+        default and is part of what a run computes; what the run folder's default name hashes."""
+        return identity_settings(self)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
 
+# hex characters of the settings hash in a derived run name (32 bits: a collision needs ~65k configs in one folder)
+NAME_HASH_CHARS = 8
+# settings left out of the name's hash: those a resume may change (simulation.RESUMABLE_CHANGES), where the run and
+# its plug-ins are, and the trackers; the name itself
+NAME_IGNORES = (
+    "run.name",
+    "run.out_dir",
+    "run.plugins",
+    "run.rounds",
+    "run.progress",
+    "run.checkpoint_every",
+    "run.max_empty_rounds",
+    "run.workers",
+    "run.executor",
+    "run.client_metrics",
+    "run.eval_batch_size",
+)
+NAME_IGNORED_SECTIONS = ("tracking.",)
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and prefix == "":
+            out.update(_flatten(value, f"{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _resolved_and_defaults(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The config with every component parameter filled in, and the defaults to compare it with; where a component
+    cannot be resolved (its plug-in not loaded yet, a wrong name: make_config words that), the config as given."""
+    defaults = _flatten(Config.model_construct().to_dict())
+    raw = cfg.to_dict()
+    try:
+        from fedhet import plugins
+
+        plugins.load(cfg.run.plugins)
+        for section, registry in _component_registries():
+            comp = getattr(cfg, section)
+            entry, parsed = registry.parse(comp.name, comp.params())
+            if parsed is not None:
+                raw[section] = {**raw[section], "name": entry.name, **parsed.model_dump(mode="json")}
+                try:
+                    params = entry.params().model_dump(mode="json")
+                except ValidationError:  # a parameter without a default: every value counts as set
+                    params = {}
+                defaults.update({f"{section}.{k}": v for k, v in params.items()})
+    except (FedhetError, ImportError, ValueError):
+        pass
+    return raw, defaults
+
+
+def identity_settings(cfg: Config) -> dict[str, Any]:
+    """See ``Config.non_default_settings``. The names ``legacy_name`` shows (algorithm, dataset, partitioner, seed)
+    are left out (they are in the name), and so is a ``partition.seed`` equal to ``run.seed`` (the same partition)."""
+    raw, defaults = _resolved_and_defaults(cfg)
+    flat = _flatten(raw)
+    if flat.get("partition.seed") == flat.get("run.seed"):
+        flat["partition.seed"] = None
+    shown_in_name = ("algorithm.name", "dataset.name", "partition.name", "run.seed")
+    skip = (*NAME_IGNORES, *shown_in_name)
+    return {
+        key: value
+        for key, value in sorted(flat.items())
+        if key not in skip and not key.startswith(NAME_IGNORED_SECTIONS) and defaults.get(key, _MISSING) != value
+    }
+
+
+_MISSING = object()
+
+
+def settings_hash(cfg: Config) -> str:
+    """``NAME_HASH_CHARS`` hex characters of SHA-256 over the non-default settings, or "" when there are none."""
+    import hashlib
+
+    settings = identity_settings(cfg)
+    if not settings:
+        return ""
+    text = json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:NAME_HASH_CHARS]
+
+
+def _holds_run(folder: Path) -> bool:
+    from fedhet.engine.rundir import holds_run
+
+    try:
+        return holds_run(folder)
+    except OSError:
+        return False
+
+
+def _holds_same_run(cfg: Config, name: str) -> bool:
+    """Whether ``run.out_dir/name`` holds a run whose saved config is this one (as far as a resume compares them):
+    a folder named before derived names had a hash."""
+    folder = Path(cfg.run.out_dir) / name
+    saved_path = folder / "config.json"
+    if not _holds_run(folder) or not saved_path.is_file():
+        return False
+    try:
+        from fedhet.engine.simulation import config_changes, resolve_config
+
+        saved = json.loads(saved_path.read_text(encoding="utf-8"))
+        return isinstance(saved, dict) and not config_changes(saved, resolve_config(cfg))
+    except (OSError, ValueError, TypeError, KeyError, FedhetError):
+        return False
+
+
 def format_validation_error(err: ValidationError) -> str:
     """One line: each problem ('train.lr: must be greater than 0 (got -1)'), then, for unknown keys, the valid keys of
     each section they were found in."""
-    problems, hints = [], {}
+    problems, hints, close = [], {}, []
     for e in err.errors():
         if e["type"] != "extra_forbidden":
             problems.append(problem(e))
         elif len(e["loc"]) == 1:
             problems.append(f"unknown section {shown(e['loc'][0])}")
             hints[""] = f"valid sections: {', '.join(Config.model_fields)}"
+            close.append(suggestion(str(e["loc"][0]), list(Config.model_fields)))
         else:
             section, key = e["loc"][0], ".".join(str(p) for p in e["loc"])
             problems.append(f"unknown key {shown(key)}")
             keys = Config.model_fields[section].annotation.model_fields
             hints[section] = f"valid keys in [{section}]: {', '.join(keys)}"
-    return "; ".join([*problems, *hints.values()])
+            close.append(suggestion(key.split(".", 1)[1], keys, f"{section}."))
+    return "; ".join([*problems, *hints.values()]) + "".join(close)
 
 
 def parse_value(text: str) -> Any:
@@ -480,3 +617,166 @@ def saved_run_config(run_dir: str | Path, overrides: list[str] | None = None) ->
     for item in overrides or []:
         apply_override(raw, item)
     return build_config(raw)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The reference of every config key (docs/config.md, `fedhet list config`), generated from the models themselves:
+# each key's type and default from pydantic, its description from the comments beside it in the source, so it
+# cannot drift from the code (tests/test_cli_consistency.py compares docs/config.md with config_markdown()).
+
+
+def _field_comments(model: type) -> dict[str, str]:
+    """field name -> the comment above it (its own lines) and the one after it, from the source of ``model`` and
+    the classes it derives from (a subclass's comment wins)."""
+    import inspect
+    import textwrap
+
+    out: dict[str, str] = {}
+    for cls in reversed(model.__mro__):
+        if cls.__module__.startswith(("pydantic", "builtins")) or cls is Params:
+            continue
+        try:
+            source = textwrap.dedent(inspect.getsource(cls))
+        except (OSError, TypeError):
+            continue
+        lines = source.splitlines()
+        tree = ast.parse(source)
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node in body:
+            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+                continue
+            above = []
+            i = node.lineno - 2
+            while i >= 0 and lines[i].strip().startswith("#"):
+                above.insert(0, lines[i].strip().lstrip("#").strip())
+                i -= 1
+            last = lines[node.end_lineno - 1]
+            after = last.split("  # ", 1)[1].strip() if "  # " in last else ""
+            text = " ".join(part for part in (" ".join(above), after) if part)
+            if text:
+                out[node.target.id] = text
+    return out
+
+
+def _type_name(tp: Any) -> str:
+    import typing
+
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return " | ".join(json.dumps(a) for a in typing.get_args(tp))
+    if origin is typing.Annotated:
+        return _type_name(typing.get_args(tp)[0])
+    if origin is not None:
+        args = [a for a in typing.get_args(tp)]
+        name = getattr(origin, "__name__", str(origin))
+        if name in ("Union", "UnionType"):
+            return " | ".join(_type_name(a) for a in args)
+        return f"{name}[{', '.join(_type_name(a) for a in args if a is not Ellipsis)}]"
+    if tp is type(None):
+        return "None"
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _default_text(field: Any) -> str:
+    from pydantic_core import PydanticUndefined
+
+    if field.default is PydanticUndefined and field.default_factory is None:
+        return "(required)"
+    value = field.get_default(call_default_factory=True)
+    if isinstance(value, Params):
+        return "(section)"
+    return json.dumps(value) if value is None or isinstance(value, bool | str | list | tuple) else repr(value)
+
+
+_BOUNDS = (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<"), ("min_length", "length ≥"))
+
+
+def _bounds(field: Any) -> str:
+    """`` ≥ 1`` / `` > 0, ≤ 1``: the limits pydantic checks (Field(ge=..., ...))."""
+    out = []
+    for item in field.metadata:
+        for attr, sign in _BOUNDS:
+            value = getattr(item, attr, None)
+            if value is not None:
+                out.append(f"{sign} {value}")
+    return f" ({', '.join(out)})" if out else ""
+
+
+def _model_rows(prefix: str, model: type, skip: tuple[str, ...] = ()) -> list[tuple[str, str, str, str]]:
+    comments = _field_comments(model)
+    return [
+        (f"{prefix}{name}", _type_name(field.annotation) + _bounds(field), _default_text(field), comments.get(name, ""))
+        for name, field in model.model_fields.items()
+        if name not in skip
+    ]
+
+
+def config_rows() -> list[tuple[str, str, str, str]]:
+    """(key, type, default, description) of every section key of the config (``run.rounds``, ...)."""
+    rows = []
+    for section, field in Config.model_fields.items():
+        rows += _model_rows(f"{section}.", field.annotation)
+    return rows
+
+
+def _component_registries() -> tuple[tuple[str, Any], ...]:
+    """The config sections that name a registered component, with their registries (as the engine reads them)."""
+    from fedhet.algorithms import ALGORITHMS, SERVER_OPTIMIZERS
+    from fedhet.data.datasets import DATASETS
+    from fedhet.data.partition import PARTITIONERS
+    from fedhet.models import MODELS
+
+    return (
+        ("dataset", DATASETS),
+        ("partition", PARTITIONERS),
+        ("model", MODELS),
+        ("algorithm", ALGORITHMS),
+        ("server", SERVER_OPTIMIZERS),
+    )
+
+
+def component_rows() -> list[tuple[str, str, list[tuple[str, str, str, str]]]]:
+    """(section, component name, rows) of every registered component's own parameters (``algorithm.mu`` when
+    ``algorithm.name = "fedprox"``), plug-ins loaded in this process included."""
+    out = []
+    for section, registry in _component_registries():
+        for entry in registry.entries():
+            if entry.params is not None and entry.params.model_fields:
+                out.append((section, entry.name, _model_rows(f"{section}.", entry.params)))
+    return out
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def config_markdown() -> str:
+    """docs/config.md: every section key, then every built-in component's parameters (as loaded in this process)."""
+
+    def table(rows: list[tuple[str, str, str, str]]) -> list[str]:
+        out = ["| key | type | default | description |", "| --- | --- | --- | --- |"]
+        out += [f"| `{k}` | {_cell(t)} | `{_cell(d)}` | {_cell(c)} |" for k, t, d, c in rows]
+        return out
+
+    lines = [
+        "# Config reference",
+        "",
+        "<!-- Generated by `fedhet list config --markdown > docs/config.md`; do not edit by hand: "
+        "tests/test_cli_consistency.py fails when it differs from the code. -->",
+        "",
+        "Every key a TOML file (`[section]` tables), an override (`-s section.key=value`) or a Python dict",
+        '(`{"section": {"key": value}}`) can set. Unknown keys are errors. Relative paths: the plug-in files a TOML',
+        "file names (`run.plugins`) are taken from the TOML file's folder (so a config and its plug-in move together);",
+        "`run.out_dir`, `dataset.data_dir` and the `[tracking]` folders from the working directory (a run's outputs go",
+        "where it is started; a Flower app's on the SuperLink). `-s`, `--plugin` and Python values: the working",
+        "directory.",
+        "A component section (`dataset`, `partition`, `model`, `algorithm`, `server`) also takes the parameters of the",
+        "component its `name` picks; they are listed after the sections (`fedhet list algorithms` shows them too).",
+        "",
+    ]
+    for section, field in Config.model_fields.items():
+        lines += [f"## [{section}]", "", *table(_model_rows(f"{section}.", field.annotation)), ""]
+    lines += ["# Component parameters", ""]
+    for section, name, rows in component_rows():
+        lines += [f'## {section}.name = "{name}"', "", *table(rows), ""]
+    return "\n".join(lines)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class FedhetError(Exception):
     """Base class of errors that the CLI prints as one line instead of a traceback."""
@@ -28,6 +31,16 @@ class Interrupted(FedhetError):
     """Ctrl-C: training stopped, the last checkpoints are kept; the message says how to continue."""
 
 
-def unknown_choice(kind: str, name: str, choices) -> ConfigError:
-    """The standard 'unknown X' error, listing the valid names."""
-    return ConfigError(f"unknown {kind} {name!r}; choose one of: {', '.join(sorted(choices))}")
+def suggestion(name: str, choices: Iterable[str], prefix: str = "") -> str:
+    """``"; did you mean 'fedprox'?"`` for the valid name closest to a mistyped ``name`` (difflib's ratio, case
+    ignored; ``prefix`` is put before the name shown, e.g. ``train.``), or "" when none is close. Every "unknown X"
+    message (components, config keys and sections, ``fedhet list`` kinds) ends with it."""
+    lowered = {str(c).lower(): str(c) for c in choices}
+    close = difflib.get_close_matches(str(name).lower(), list(lowered), n=1, cutoff=0.6)
+    return f"; did you mean {prefix + lowered[close[0]]!r}?" if close else ""
+
+
+def unknown_choice(kind: str, name: str, choices: Iterable[str], note: str = "") -> ConfigError:
+    """The standard 'unknown X' error: the valid names, ``note`` (a hint in brackets), then the closest names."""
+    choices = sorted(choices)
+    return ConfigError(f"unknown {kind} {name!r}; choose one of: {', '.join(choices)}{note}{suggestion(name, choices)}")

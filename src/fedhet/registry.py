@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from fedhet.config import Config
-from fedhet.errors import ConfigError, unknown_choice
+from fedhet.errors import ConfigError, suggestion, unknown_choice
 from fedhet.params import Params, problem, shown
 
 # registry kind -> the config section whose `name` picks one of its entries ("partitioner" -> "partition")
@@ -26,10 +26,15 @@ def unknown_keys(kind: str, name: str, keys: list[str], params: list[str]) -> st
     the section's own keys, then the parameters of the component it names."""
     section = _SECTION_OF.get(kind)
     if section is None:  # a registry outside the config
-        return f"unknown key {', '.join(map(shown, keys))} for {kind} {name!r}; valid: {', '.join(params) or 'none'}"
+        hint = "".join(suggestion(key, params) for key in keys)
+        return (
+            f"unknown key {', '.join(map(shown, keys))} for {kind} {name!r}; valid: {', '.join(params) or 'none'}{hint}"
+        )
     own = list(Config.model_fields[section].annotation.model_fields)
     unknown = "; ".join(f"unknown key {shown(f'{section}.{key}')}" for key in keys)
-    return f"{unknown} for {kind} {name!r}; valid keys in [{section}]: {', '.join(own + params)}"
+    valid = own + params
+    hint = "".join(suggestion(key, valid, f"{section}.") for key in keys)
+    return f"{unknown} for {kind} {name!r}; valid keys in [{section}]: {', '.join(valid)}{hint}"
 
 
 def parse_params(kind: str, name: str, model: type[BaseModel], params: dict[str, Any]) -> BaseModel:
@@ -82,10 +87,9 @@ class Registry:
     def get(self, name: str) -> Entry:
         key = name.lower()
         if key not in self._entries:
-            err = unknown_choice(self.kind, name, self._entries)
-            if self.kind in _SECTION_OF:  # a config section names it: it may come from a plug-in not loaded
-                err.args = (f"{err} (one from outside fedhet needs its plug-in: --plugin FILE.py or run.plugins)",)
-            raise err
+            # a config section names it: it may come from a plug-in not loaded
+            note = " (one from outside fedhet needs its plug-in: --plugin FILE.py or run.plugins)"
+            raise unknown_choice(self.kind, name, self._entries, note if self.kind in _SECTION_OF else "")
         return self._entries[key]
 
     def parse(self, name: str, params: dict[str, Any]) -> tuple[Entry, BaseModel | None]:

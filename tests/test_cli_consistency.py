@@ -1,0 +1,106 @@
+"""Issue 27, "what a person sees": fedhet --version, singular list kinds, "did you mean", help for every config
+shortcut, the generated config reference (docs/config.md), and a shortcut that contradicts an -s override."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import fedhet
+from fedhet.cli import app
+from fedhet.config import config_markdown
+from fedhet.errors import ConfigError
+
+runner = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def invoke(*args):
+    return runner.invoke(app, list(args))
+
+
+def test_version():
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.output.startswith(f"fedhet {fedhet.__version__}")
+
+
+@pytest.mark.parametrize("kind", ["algorithm", "algorithms", "dataset", "model", "partitioner", "server"])
+def test_list_takes_singular_and_plural(kind):
+    result = invoke("list", kind)
+    assert result.exit_code == 0, result.output
+
+
+def test_unknown_names_suggest_the_closest():
+    with pytest.raises(ConfigError, match=r"did you mean 'fedprox'\?$"):
+        fedhet.make_config(None, algorithm="fedprx")
+    with pytest.raises(ConfigError, match=r"did you mean 'train.lr'\?$"):
+        fedhet.make_config(None, ["train.lrr=0.1"])
+    with pytest.raises(ConfigError, match=r"did you mean 'partition.alpha'\?$"):
+        fedhet.make_config(None, ["partition.alpah=0.1"])
+    with pytest.raises(ConfigError, match=r"did you mean 'train'\?$"):
+        fedhet.make_config(None, ["trian.lr=0.1"])
+    result = invoke("list", "algoritms")
+    assert result.exit_code != 0 and "did you mean 'algorithms'?" in str(result.exception)
+
+
+def test_every_config_shortcut_has_help():
+    result = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "200"})
+    lines = {line.split()[1].rstrip(","): line for line in result.output.splitlines() if "│ -" in line}
+    for option in ("--dataset", "--model", "--data-dir", "--partition", "--clients", "--rounds", "--seed"):
+        line = next((text for key, text in lines.items() if option in text), "")
+        described = line.split(option, 1)[1].replace("TEXT", "").replace("INTEGER", "").strip(" │-,")
+        assert described and not described.startswith("-"), f"{option} has no help: {line!r}"
+
+
+def test_config_reference_is_current():
+    """docs/config.md is generated from the models: regenerate with `fedhet list config --markdown > docs/config.md`."""
+    assert (ROOT / "docs" / "config.md").read_text() == config_markdown()
+
+
+def test_config_reference_lists_every_key():
+    from fedhet.config import Config, config_rows
+
+    keys = {row[0] for row in config_rows()}
+    every = {f"{s}.{k}" for s, f in Config.model_fields.items() for k in f.annotation.model_fields}
+    assert keys == every
+    assert "`algorithm.mu`" in config_markdown()  # component parameters too
+    result = invoke("list", "config")
+    assert result.exit_code == 0 and "train.lr" in result.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["-s", "partition.num_clients=4", "-n", "6"],
+        ["-a", "fedavg", "-s", "algorithm.name=fedprox"],
+        ["--seed", "1", "-s", "run.seed=2"],
+    ],
+)
+def test_a_shortcut_and_an_override_that_disagree_are_refused(args, tmp_path):
+    result = invoke("run", "-o", str(tmp_path), *args)
+    assert result.exit_code != 0
+    assert isinstance(result.exception, ConfigError) and "conflicting settings" in str(result.exception)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_shortcut_and_an_equal_override_agree():
+    from fedhet.cli_shared import check_shortcut_conflicts
+
+    check_shortcut_conflicts(["partition.num_clients=6"], {"clients": 6})
+    check_shortcut_conflicts(["algorithm.name=fedavg"], {"algorithm": "fedavg"})
+
+
+def test_plugin_paths_in_a_toml_file_are_relative_to_it(tmp_path, monkeypatch):
+    """The documented rule (docs/config.md): run.plugins in a TOML file from the file's folder; run.out_dir and
+    dataset.data_dir from the working directory."""
+    folder = tmp_path / "study"
+    folder.mkdir()
+    (folder / "p_rel.py").write_text("")
+    (folder / "c.toml").write_text('[run]\nplugins = ["p_rel.py"]\nout_dir = "out"\n[dataset]\ndata_dir = "data"\n')
+    monkeypatch.chdir(tmp_path)
+    cfg = fedhet.make_config(folder / "c.toml")
+    assert cfg.run.plugins == [str(folder / "p_rel.py")]
+    assert cfg.run.out_dir == "out" and cfg.dataset.data_dir == "data"
+    assert "`run.plugins`) are taken from the TOML file's folder" in config_markdown()
