@@ -222,11 +222,11 @@ def test_a_resumed_run_drops_the_client_lines_a_killed_run_wrote_after_its_check
 
 def test_client_metric_stats_name_the_phase_and_never_average_a_nan_away(tiny_config):
     sim = Simulation(tiny_config())
-    sim.client_reports = {
+    sim.evaluator.client_reports = {
         "train": {0: (10, {"loss": 1.0, "flag": True, "note": "x"}), 1: (30, {"loss": 3.0})},
         "posterior": {0: (10, {"disc_loss": float("nan")}), 1: (30, {"disc_loss": 2.0})},
     }
-    stats = sim.client_metric_stats()
+    stats = sim.evaluator.client_metric_stats()
     assert stats["clients/loss/mean"] == 2.0 and stats["clients/loss/weighted_mean"] == 2.5
     assert stats["clients/loss/min"] == 1.0 and stats["clients/loss/max"] == 3.0
     assert stats["clients/flag/mean"] == 1.0  # a flag counts as 0 or 1, as over Flower

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -123,6 +124,14 @@ def check_finite(reply: Reply, state: State) -> None:
     for name, v in {**reply.scalars, **reply.metrics}.items():
         if isinstance(v, float) and not math.isfinite(v):
             raise FloatingPointError(f"reply value {name!r} is {v}")
+
+
+@dataclass
+class RoundResult:
+    """One phase's replies (by client) and failure records (failures.jsonl)."""
+
+    replies: dict[int, Reply]
+    failures: list[dict[str, Any]]
 
 
 def failure_record(rnd: int, phase: str, cid: int, err: BaseException) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -109,12 +109,10 @@ def check_fits(name: str, counted: tuple[int, int] | None, device: torch.device)
     )
 
 
-def check_model_fits(cfg: Config, fed: FederatedDataset, device: torch.device) -> None:
-    """``check_fits`` for the model a run of ``cfg`` on ``fed`` trains, with what its algorithm adds to it."""
-    from fedhet.engine.simulation import algorithm_config
+def check_model_fits(cfg: Config, fed: FederatedDataset, device: torch.device, algo_cls: Any, algo_cfg: Any) -> None:
+    """``check_fits`` for the model a run of ``cfg`` on ``fed`` trains, with what its algorithm (``algo_cls`` with
+    its parameters ``algo_cfg``) adds to it."""
     from fedhet.models import build_model
-
-    algo_cls, algo_cfg = algorithm_config(cfg)
 
     def plain() -> torch.nn.Module:
         return build_model(cfg.model.name, fed.input_shape, fed.num_classes, **cfg.model.params())

@@ -77,7 +77,7 @@ def pyproject(name: str, cfg: Config) -> dict[str, Any]:
 
 def write_app(cfg: Config, out_dir: str | Path, name: str | None = None, force: bool = False) -> Path:
     """Write the app folder for ``cfg`` into ``out_dir``; returns the folder."""
-    from fedhet.engine.simulation import resolve_config
+    from fedhet.engine.training import resolve_config
 
     resolve_config(cfg)  # fail now on a wrong name or value, not on the SuperLink
     out = Path(out_dir)

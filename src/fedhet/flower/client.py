@@ -70,7 +70,7 @@ def config_key(cfg: Config) -> str:
 
 
 def cached_federation(cfg: Config) -> FederatedDataset:
-    from fedhet.engine.simulation import build_federation
+    from fedhet.engine.training import build_federation
 
     key = config_key(cfg)
     if key not in _federations:
@@ -101,7 +101,7 @@ def shape_only_federation(
 
 def cached_runner(cfg: Config, fed: FederatedDataset) -> ClientRunner:
     """The ClientRunner that the simulation builds for this config: same model, seeds, algorithm and augmentation."""
-    from fedhet.engine.simulation import build_training
+    from fedhet.engine.training import build_training
 
     key = (config_key(cfg), fed.num_classes, tuple(fed.input_shape), fed.pad_value)
     if key not in _runners:

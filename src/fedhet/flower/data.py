@@ -26,7 +26,7 @@ def client_file(out_dir: str | Path, cid: int) -> Path:
 
 def export_clients(cfg: Config, out_dir: str | Path) -> list[Path]:
     """Write ``client_<id>.npz`` for every client of ``cfg``'s federation; returns the paths."""
-    from fedhet.engine.simulation import build_federation, resolve_config
+    from fedhet.engine.training import build_federation, resolve_config
 
     resolve_config(cfg)
     fed = build_federation(cfg)

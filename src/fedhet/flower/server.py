@@ -148,7 +148,7 @@ def server_federation(cfg: Config, nodes: Nodes) -> FederatedDataset:
     and per-client accuracies are the distribution-weighted ones (it never sees the clients' local test data)."""
     from fedhet.data.datasets import load_dataset
     from fedhet.data.federated import normalise
-    from fedhet.engine.simulation import build_federation
+    from fedhet.engine.training import build_federation
 
     if not nodes.from_file:
         return build_federation(cfg)

@@ -1,0 +1,246 @@
+"""What a run trains with, built from its config: the resolved config, the federation, the model and algorithm, the
+client runner and the worker count. Both executors (in-process and worker processes) and every Flower node build
+theirs here, below the round loop (``engine/simulation.py``), so nothing here imports the loop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import ValidationError
+
+from fedhet import plugins
+from fedhet.algorithms import ALGORITHMS, SERVER_OPTIMIZERS, Algorithm, Setup, build_server_optimizer
+from fedhet.algorithms.base import AlgoConfig
+from fedhet.algorithms.gne import GNE
+from fedhet.config import Config
+from fedhet.data.augment import build_augment
+from fedhet.data.federated import FederatedDataset, federate
+from fedhet.engine.client import ClientRunner
+from fedhet.engine.flat import FlatModel
+from fedhet.engine.local import derive_seed
+from fedhet.engine.rundir import usable_cores
+from fedhet.errors import ConfigError
+from fedhet.registry import Registry
+
+
+def component_registries() -> tuple[tuple[str, Registry], ...]:
+    """The config sections that name a registered component, with their registries."""
+    from fedhet.data.datasets import DATASETS
+    from fedhet.data.partition import PARTITIONERS
+    from fedhet.models import MODELS
+
+    return (
+        ("dataset", DATASETS),
+        ("partition", PARTITIONERS),
+        ("model", MODELS),
+        ("algorithm", ALGORITHMS),
+        ("server", SERVER_OPTIMIZERS),
+    )
+
+
+def resolve_config(cfg: Config) -> dict[str, Any]:
+    """Validate every component's parameters against its registry entry and return the config with all defaults.
+
+    This runs before any data is loaded, so a wrong name or value fails in a second, not after a download. The run's
+    plug-ins are loaded first, so their components are found here as built-in ones are.
+    """
+    plugins.load(cfg.run.plugins)
+    out = cfg.to_dict()
+    for section, registry in component_registries():
+        comp = getattr(cfg, section)
+        entry, parsed = registry.parse(comp.name, comp.params())
+        params = parsed.model_dump(mode="json") if parsed is not None else {}
+        fixed = {k: v for k, v in out[section].items() if k not in comp.params()}
+        out[section] = {**fixed, "name": entry.name, **params}
+    check_aggregation(cfg)
+    return out
+
+
+def check_aggregation(cfg: Config) -> None:
+    """``server.aggregation = "gne"`` only for algorithms whose server takes a weighted average of client models."""
+    if cfg.server.aggregation != "gne":
+        return
+    entry = ALGORITHMS.get(cfg.algorithm.name)
+    if not entry.obj.accepts_gne():
+        able = [e.name for e in ALGORITHMS.entries() if e.obj.accepts_gne()]
+        raise ConfigError(
+            f"server.aggregation='gne' replaces the weights of a weighted average of client models, which "
+            f"{entry.name}'s server does not take; algorithms that accept it: {', '.join(able)}"
+        )
+
+
+def build_federation(cfg: Config) -> FederatedDataset:
+    from fedhet.data.datasets import load_dataset
+    from fedhet.data.partition import label_counts, match_test, natural_test, partition
+
+    plugins.load(cfg.run.plugins)  # a Flower node builds its data here without resolving the config first
+    ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir, **cfg.dataset.params()).train_subset(
+        cfg.dataset.train_fraction
+    )
+    p = cfg.partition
+    seed = cfg.run.seed if p.seed is None else p.seed
+    labels, groups = ds.y_train, ds.groups_train
+    if p.merge_test:
+        labels = np.concatenate([ds.y_train, ds.y_test])
+        if groups is not None and ds.groups_test is not None:
+            groups = np.concatenate([groups, ds.groups_test])
+    parts = partition(p.name, labels, p.num_clients, seed, groups=groups, **p.params())
+    test_parts = None
+    if p.local_test == "matched":
+        if not ds.has_test_set:
+            raise ConfigError(f"partition.local_test='matched' needs a test set, and {ds.name!r} has none; use 'split'")
+        counts = label_counts(ds.y_train, parts, ds.num_classes)
+        test_parts = match_test(ds.y_test, counts, np.random.default_rng([seed, 0x7E5]))
+    elif p.local_test == "natural":
+        if ds.groups_test is None or not ds.has_test_set:
+            raise ConfigError(
+                f"partition.local_test='natural' needs a dataset with a per-user test split, and {ds.name!r} has "
+                "none (synthetic with dataset.generator='fedbc' has one); use 'split'"
+            )
+        test_parts = natural_test(groups, parts, ds.groups_test)
+    return federate(
+        ds,
+        parts,
+        local_test_fraction=p.local_test_fraction,
+        merged=p.merge_test,
+        seed=seed,
+        device=cfg.run.device,
+        test_parts=test_parts,
+    )
+
+
+def algorithm_config(cfg: Config) -> tuple[type[Algorithm], AlgoConfig]:
+    """The algorithm class named in ``cfg`` and its validated hyper-parameters."""
+    entry, params = ALGORITHMS.parse(cfg.algorithm.name, cfg.algorithm.params())
+    return entry.obj, params
+
+
+def build_algorithm(cfg: Config, setup: Setup) -> Algorithm:
+    algo_cls, algo_cfg = algorithm_config(cfg)
+    algo = algo_cls(algo_cfg, setup, build_server_optimizer(cfg.server.name, cfg.server.params()))
+    server = cfg.server
+    if server.aggregation == "gne":
+        algo.use_gne(GNE(server.gne_solver, server.gne_normalize, server.gne_jitter))
+    return algo
+
+
+# What a resumed run may change: how far it goes and how it reports, never what the rounds so far computed.
+# run.executor and run.workers change only float rounding (a resume under another thread count or executor warns that
+# the run is then not bit-exact).
+RESUMABLE_CHANGES = (
+    "run.rounds",
+    "run.progress",
+    "run.checkpoint_every",
+    "run.max_empty_rounds",
+    "run.workers",
+    "run.executor",
+    "run.client_metrics",  # whether client_metrics.jsonl is written: a copy of what the clients reported
+)
+# Trackers get copies of what the run folder gets; switching one on or off never changes the numbers. Runs saved
+# before [tracking] existed lack these keys: they count as unchanged too.
+RESUMABLE_SECTIONS = ("tracking.",)
+# Where the run folder is: a moved or copied run folder stays resumable.
+LOCATION = ("run.out_dir", "run.name")
+# Where the plug-in files are (a moved folder may take its plug-in along): the components they provide are compared
+# by name and parameters like any other, and a missing plug-in is an error when the resumed run loads it.
+PLUGIN_PATHS = ("run.plugins",)
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The settings (as "section.key: old -> new") that forbid resuming a run saved with ``saved``.
+
+    A component parameter the saved config lacks counts as unchanged while it holds its default: it was added after
+    the run was saved, and a new parameter's default keeps the behaviour it had before. An unset ``partition.seed``
+    is the run seed (``build_federation``), so setting it to that value changes nothing either."""
+    from fedhet.results.report import flatten
+
+    old, new = flatten(saved), flatten(current)
+    for flat in (old, new):
+        if flat.get("partition.seed") is None and "run.seed" in flat:
+            flat["partition.seed"] = flat["run.seed"]
+    # A setting that a saved config predates ran with its default (a section field such as server.aggregation, a
+    # component parameter such as algorithm.evaluate), so a run from before it was added still resumes.
+    defaults = {**flatten(Config.model_construct().to_dict()), **component_defaults(current)}
+    keys = sorted((set(old) | set(new)) - set(RESUMABLE_CHANGES) - set(LOCATION) - set(PLUGIN_PATHS))
+    keys = [k for k in keys if not k.startswith(RESUMABLE_SECTIONS)]
+    changed = [k for k in keys if old.get(k, defaults.get(k)) != new.get(k)]
+    return [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed]
+
+
+def component_defaults(resolved: dict[str, Any]) -> dict[str, Any]:
+    """ "section.key" -> default value (as the resolved config writes it) of the parameters of each named component."""
+    out = {}
+    for section, registry in component_registries():
+        entry = registry.get(resolved[section]["name"]) if section in resolved else None
+        if entry is None or entry.params is None:
+            continue
+        try:
+            defaults = entry.params().model_dump(mode="json")
+        except ValidationError:  # a parameter without a default: none of them counts as added
+            continue
+        out.update({f"{section}.{key}": value for key, value in defaults.items()})
+    return out
+
+
+@dataclass
+class Training:
+    """What a run trains with: the global model, its flat view, the algorithm and the runner of client updates."""
+
+    model: torch.nn.Module
+    flat: FlatModel
+    setup: Setup
+    algo: Algorithm
+    runner: ClientRunner
+
+
+def build_training(cfg: Config, fed: FederatedDataset) -> Training:
+    """The model (seeded from the run seed), the algorithm with its server side initialised, and the client runner
+    for a run of ``cfg`` on ``fed``. The simulation and every Flower node build theirs here, so a client's reply
+    depends only on (config, message, data, state), never on where it runs."""
+    from fedhet.engine.memory import check_model_fits
+    from fedhet.models import build_model
+
+    plugins.load(cfg.run.plugins)  # worker processes and Flower nodes start here
+    device = torch.device(cfg.run.device)
+    algo_cls, algo_cfg = algorithm_config(cfg)
+    check_model_fits(cfg, fed, device, algo_cls, algo_cfg)  # too big for the device: a ConfigError, before allocating
+
+    def make_model():
+        # Auxiliary models (frozen global/previous models) are built lazily inside clients; forking the RNG
+        # keeps their construction from shifting the client's random stream (dropout, augmentation).
+        with torch.random.fork_rng(devices=[]):
+            model = build_model(cfg.model.name, fed.input_shape, fed.num_classes, **cfg.model.params())
+            model = algo_cls.prepare_model(algo_cfg, model)
+            return algo_cls.prepare_federated_model(algo_cfg, model, fed.num_clients).to(device)
+
+    torch.manual_seed(derive_seed(cfg.run.seed, 0x40DE1))
+    model = make_model()
+    flat = FlatModel(model)
+    setup = Setup(fed.num_clients, fed.num_classes, cfg.train, make_model, device)
+    algo = build_algorithm(cfg, setup)
+    algo.init_server(flat.get_params(), flat.get_buffers())
+    augment = build_augment(cfg.train.augment, fed.pad_value)
+    runner = ClientRunner(
+        algo, flat, cfg.train, augment, cfg.run.seed, cfg.run.eval_local_models, cfg.run.eval_batch_size
+    )
+    return Training(model, flat, setup, algo, runner)
+
+
+# Below this many cores, auto keeps clients in this process: on 2 cores, torch's two intra-op threads trained the
+# benchmark's CNN as fast as two worker processes and the demo's MLP faster (docs/performance.md).
+AUTO_WORKERS_MIN_CORES = 4
+
+
+def resolve_workers(cfg: Config) -> int:
+    """``run.workers``, with 0 (auto) decided here: one worker per core (at most one per client of a round) on a CPU
+    with at least ``AUTO_WORKERS_MIN_CORES`` cores, where intra-op threading no longer scales with the small batches
+    of FL clients; else, and on a GPU, clients train in this process."""
+    if cfg.run.workers:
+        return cfg.run.workers
+    cores, per_round = usable_cores(), cfg.clients_per_round()
+    if torch.device(cfg.run.device).type != "cpu" or cores < AUTO_WORKERS_MIN_CORES or per_round < 2:
+        return 1
+    return min(cores, per_round)
