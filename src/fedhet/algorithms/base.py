@@ -7,9 +7,9 @@ An algorithm is one file holding one ``Algorithm`` subclass:
   (named tensors + named scalars + number of examples + metrics). Nothing else crosses the wire, so the same code runs
   in the in-process simulation and over Flower.
 * Client side: ``client_update(phase, ctx)`` runs the one shared local-training loop
-  (``fedhet.engine.local.train_locally``), which calls the hooks ``before_local``, ``local_loss``, ``after_backward``,
-  ``after_step`` and ``after_local``. Algorithms override hooks, never the loop. Client-side code may only use what
-  ``ctx`` holds (the message, the client's data and its persistent state), never server attributes.
+  (``fedhet.algorithms.loop.train_locally``), which calls the hooks ``before_local``, ``local_loss``,
+  ``after_backward``, ``after_step`` and ``after_local``. Algorithms override hooks, never the loop. Client-side code
+  may only use what ``ctx`` holds (the message, the client's data and its persistent state), never server attributes.
 * Server side: ``configure(round, clients, phase)`` builds the messages and ``aggregate(round, replies, phase)``
   folds the replies into the global model. The final model step goes through a composable server optimiser
   (``fedhet.algorithms.server_opt``), so FedAvgM/FedAdam work with any client method.
@@ -20,89 +20,28 @@ An algorithm is one file holding one ``Algorithm`` subclass:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from pydantic import ConfigDict
 
-from fedhet.data.types import ClientData
+from fedhet.algorithms.contract import ClientContext, Message, Reply, Scalar, Setup  # noqa: F401  (the types)
+from fedhet.algorithms.loop import train_locally
+from fedhet.algorithms.server_opt import ServerOptimizer
 from fedhet.params import Params
 from fedhet.registry import Registry
+from fedhet.toolkit.flat import weighted_sum  # noqa: F401  (algorithms import it from here)
 
 if TYPE_CHECKING:
     from fedhet.algorithms.gne import GNE
-    from fedhet.algorithms.server_opt import ServerOptimizer
-    from fedhet.config import TrainSection
-    from fedhet.engine.flat import FlatModel
     from fedhet.models.base import FedModel
 
 ALGORITHMS = Registry("algorithm", section="algorithm")
 
-Scalar = float | int | str | bool
-
-
-@dataclass
-class Message:
-    """Server -> client payload."""
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    scalars: dict[str, Scalar] = field(default_factory=dict)
-
-
-@dataclass
-class Reply:
-    """Client -> server payload."""
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    scalars: dict[str, Scalar] = field(default_factory=dict)
-    num_examples: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class ClientContext:
-    """Everything a client-side hook may use. The loop fills the mutable fields as it goes."""
-
-    cid: int
-    round: int
-    phase: str
-    message: Message
-    data: ClientData
-    state: dict[str, torch.Tensor]  # persistent client-held state; mutate in place, the engine stores it
-    model: FedModel
-    flat: FlatModel
-    train: TrainSection
-    generator: torch.Generator
-    augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None
-    lr: float = 0.0
-    steps: int = 0  # local steps taken so far
-    loss_sum: float = 0.0
-    scratch: dict[str, Any] = field(default_factory=dict)  # per-round working values of a hook
-    # indices into ``data`` of the mini-batch being trained on, set by the sequential loop before ``local_loss`` (for
-    # per-sample values a hook computes once per round, e.g. FedUFO's teacher predictions); None outside the loop
-    batch: torch.Tensor | None = None
-
-    @property
-    def global_params(self) -> torch.Tensor:
-        return self.message.tensors["params"]
-
 
 class AlgoConfig(Params):
     model_config = ConfigDict(frozen=True)
-
-
-@dataclass
-class Setup:
-    """What an algorithm is told about the federation when it is built (on server and client alike)."""
-
-    num_clients: int
-    num_classes: int
-    train: TrainSection
-    build_model: Callable[[], FedModel]
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
 
 class Algorithm:
@@ -122,8 +61,6 @@ class Algorithm:
         return self.phases[-1]
 
     def __init__(self, config: AlgoConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
-        from fedhet.algorithms.server_opt import ServerOptimizer  # local import: server_opt imports base
-
         self.config = config
         self.setup = setup
         self.server_opt = server_opt or ServerOptimizer()
@@ -261,8 +198,6 @@ class Algorithm:
         return None
 
     def client_update(self, ctx: ClientContext) -> Reply:
-        from fedhet.engine.local import train_locally
-
         return train_locally(self, ctx)
 
     def before_local(self, ctx: ClientContext) -> None:
@@ -286,11 +221,3 @@ class Algorithm:
             num_examples=len(ctx.data),
             metrics={"train_loss": ctx.loss_sum / max(ctx.steps, 1), "steps": float(ctx.steps)},
         )
-
-
-def weighted_sum(vectors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-    """sum_i w_i v_i without stacking (memory stays at one vector)."""
-    out = torch.zeros_like(vectors[0])
-    for v, w in zip(vectors, weights, strict=True):
-        out.add_(v, alpha=w)
-    return out

@@ -58,7 +58,7 @@ from pydantic import Field
 
 from fedhet.algorithms.base import ALGORITHMS, ClientContext, Message, Reply, Setup, weighted_sum
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
-from fedhet.engine.flat import FlatModel
+from fedhet.toolkit.flat import FlatModel
 
 if TYPE_CHECKING:
     from fedhet.algorithms.server_opt import ServerOptimizer

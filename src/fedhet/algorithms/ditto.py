@@ -45,7 +45,7 @@ from pydantic import Field
 
 from fedhet.algorithms.base import ALGORITHMS, ClientContext, Reply
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
-from fedhet.engine.local import batch_indices, num_local_steps
+from fedhet.toolkit.local import batch_indices, num_local_steps
 
 PERSONAL = "personal"  # the client-state key of v_k
 

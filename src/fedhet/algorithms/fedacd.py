@@ -2,7 +2,7 @@
 Models in Federated Learning"): local models with equal per-class errors, aggregated by a confusion score.
 
 Each client keeps a *probability matrix* P (a soft confusion matrix of its local data: ``P[i, j]`` = mean softmax
-probability of class j over its samples of class i; ``fedhet.engine.confusion``) and trains on (Eq. 7-9)
+probability of class j over its samples of class i; ``fedhet.toolkit.confusion``) and trains on (Eq. 7-9)
 
     L = L1 + lambda L2,
     L1 = KL(p || q),  q_y = p_y,  q_k = (1 - p_y) / (C - 1) for k != y        (flattens the non-target outputs)
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from fedhet.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientContext, Reply, Setup
-from fedhet.engine.confusion import probability_matrix, soft_confusion, template_kl
+from fedhet.toolkit.confusion import probability_matrix, soft_confusion, template_kl
 
 if TYPE_CHECKING:
     from fedhet.algorithms.server_opt import ServerOptimizer

@@ -3,7 +3,7 @@ Unbiased Gradient Aggregation and Controllable Meta Updating"; FedUFO's baseline
 
 **Every client shares a copy of ``meta_fraction`` (FedUFO: 10%) of its training data with the server.** Clients
 train as in FedAvg; after each aggregation the server fine-tunes the averaged model on the shared "meta" data with
-the same local loop (``engine.local.train_locally``: mini-batch SGD with momentum and weight decay, no loop of its
+the same local loop (``algorithms.loop.train_locally``: mini-batch SGD with momentum and weight decay, no loop of its
 own), and the fine-tuned model is the new global model:
 
     w_avg = sum_k n_k / n  w_k          (FedAvg, through the server optimiser)
@@ -34,7 +34,7 @@ from pydantic import Field
 from fedhet.algorithms.base import ALGORITHMS, ClientContext, Message, Reply, Setup
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedhet.data.types import ClientData
-from fedhet.engine.flat import FlatModel
+from fedhet.toolkit.flat import FlatModel
 
 if TYPE_CHECKING:
     from fedhet.algorithms.server_opt import ServerOptimizer
@@ -79,7 +79,7 @@ class FedMeta(FedAvg):
 
     def receive_shared_data(self, fed: FederatedDataset, seed: int) -> None:
         """The copies every client shares with the server (the engine calls this once, before round 1)."""
-        from fedhet.engine.local import derive_seed
+        from fedhet.toolkit.local import derive_seed
 
         sizes = [len(c.y) for c in fed.clients]
         if sum(sizes) == 0:
@@ -101,7 +101,8 @@ class FedMeta(FedAvg):
 
     def fine_tune(self, rnd: int) -> None:
         """The averaged model, trained on the meta data by the shared local loop; it becomes the global model."""
-        from fedhet.engine.local import derive_seed, train_locally
+        from fedhet.algorithms.loop import train_locally
+        from fedhet.toolkit.local import derive_seed
 
         if self.meta is None:
             raise RuntimeError("fedmeta: the server has no shared data (receive_shared_data was not called)")

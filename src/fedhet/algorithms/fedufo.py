@@ -86,9 +86,9 @@ from torch.func import functional_call
 
 from fedhet.algorithms.base import ALGORITHMS, ClientContext, Message, Reply, Setup, weighted_sum
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
-from fedhet.engine.flat import FlatModel
-from fedhet.engine.local import FlatSGD, batch_indices, derive_seed, num_local_steps
 from fedhet.models.discriminator import ClientDiscriminator
+from fedhet.toolkit.flat import FlatModel
+from fedhet.toolkit.local import FlatSGD, batch_indices, derive_seed, num_local_steps
 
 if TYPE_CHECKING:
     from fedhet.algorithms.server_opt import ServerOptimizer

@@ -36,8 +36,8 @@ from pydantic import Field
 
 from fedhet.algorithms.base import ALGORITHMS, ClientContext, Reply, Setup
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
-from fedhet.engine.flat import FlatModel
-from fedhet.engine.local import FlatSGD, clip_grad_norm
+from fedhet.toolkit.flat import FlatModel
+from fedhet.toolkit.local import FlatSGD, clip_grad_norm
 
 if TYPE_CHECKING:
     from fedhet.algorithms.server_opt import ServerOptimizer

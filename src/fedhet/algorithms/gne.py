@@ -75,7 +75,7 @@ from typing import Any
 
 import torch
 
-from fedhet.algorithms.base import weighted_sum
+from fedhet.toolkit.flat import weighted_sum
 
 SOLVERS = ("newton", "ccp")
 NORMALIZATIONS = ("sum_to_one", "paper", "match_fedavg_norm")

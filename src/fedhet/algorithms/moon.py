@@ -40,7 +40,7 @@ from torch import nn
 
 from fedhet.algorithms.base import ALGORITHMS, ClientContext, Reply, Setup
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
-from fedhet.engine.flat import FlatModel
+from fedhet.toolkit.flat import FlatModel
 
 if TYPE_CHECKING:
     from fedhet.algorithms.server_opt import ServerOptimizer

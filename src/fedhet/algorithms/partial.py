@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedhet.algorithms.base import Reply, weighted_sum
-from fedhet.engine.flat import FlatModel
 from fedhet.errors import ConfigError
+from fedhet.toolkit.flat import FlatModel
 
 if TYPE_CHECKING:
     from fedhet.algorithms.server_opt import ServerOptimizer

@@ -24,7 +24,7 @@ from typing import Literal
 from pydantic import Field
 
 from fedhet.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientContext, Reply, weighted_sum
-from fedhet.engine.evaluate import evaluate
+from fedhet.toolkit.evaluate import evaluate
 
 EPS = 1e-10  # official code: np.float_power(loss + 1e-10, q)
 

@@ -59,7 +59,7 @@ from torch import nn
 from fedhet.algorithms.base import ALGORITHMS, ClientContext, Message, Reply, Setup
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedhet.algorithms.fednh import init_prototypes
-from fedhet.engine.flat import FlatModel
+from fedhet.toolkit.flat import FlatModel
 
 if TYPE_CHECKING:
     from fedhet.algorithms.server_opt import ServerOptimizer

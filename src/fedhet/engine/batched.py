@@ -1,7 +1,7 @@
 """Train the clients of a phase together: stacked parameters, one vmapped forward/backward per local step.
 
 ``BatchedExecutor`` is an ``Executor`` (same state store, same failure semantics as ``LocalExecutor``) that runs
-the local loop of ``engine.local.train_locally`` for K clients at once:
+the local loop of ``algorithms.loop.train_locally`` for K clients at once:
 
 * The K parameter vectors are the rows of one (K, P) tensor in the engine's flat layout; client k's row is its
   ``ctx.flat.params`` (and a (K, P) gradient tensor its ``ctx.flat.grad``), so every flat-vector hook of the
@@ -54,9 +54,9 @@ from fedhet.algorithms.base import Algorithm, ClientContext, Message, Reply
 from fedhet.data.types import ClientData
 from fedhet.engine.checkpoint import StateFileError
 from fedhet.engine.client import ClientRunner, LocalExecutor, check_finite, failure_record
-from fedhet.engine.flat import FlatModel, FlatVectors
-from fedhet.engine.local import batch_indices, num_local_steps
 from fedhet.engine.state import MemoryStateStore
+from fedhet.toolkit.flat import FlatModel, FlatVectors
+from fedhet.toolkit.local import batch_indices, num_local_steps
 
 if TYPE_CHECKING:
     from fedhet.config import Config

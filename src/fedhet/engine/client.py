@@ -24,11 +24,11 @@ from fedhet.config import TrainSection
 from fedhet.data.augment import Augment
 from fedhet.data.types import ClientData
 from fedhet.engine.checkpoint import CheckpointError, StateFileError
-from fedhet.engine.confusion import PAPER_TAU, probability_matrix, soft_confusion, template_kl
-from fedhet.engine.evaluate import evaluate
-from fedhet.engine.flat import FlatModel
-from fedhet.engine.local import derive_seed
 from fedhet.engine.state import MemoryStateStore, State
+from fedhet.toolkit.confusion import PAPER_TAU, probability_matrix, soft_confusion, template_kl
+from fedhet.toolkit.evaluate import evaluate
+from fedhet.toolkit.flat import FlatModel
+from fedhet.toolkit.local import derive_seed
 
 # reply tensors of run.eval_local_models; the simulation takes them out before the algorithm aggregates
 LOCAL_PARAMS, LOCAL_BUFFERS = "local_params", "local_buffers"

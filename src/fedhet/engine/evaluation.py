@@ -15,10 +15,10 @@ from fedhet.algorithms import Algorithm, Reply
 from fedhet.config import Config
 from fedhet.data.federated import FederatedDataset
 from fedhet.engine.client import LOCAL_BUFFERS, LOCAL_PARAMS, Executor, RoundResult
-from fedhet.engine.evaluate import client_test_samples, evaluate, evaluate_global, local_risk
-from fedhet.engine.flat import FlatModel
-from fedhet.engine.local import derive_seed
 from fedhet.results.store import MetricsLog, truncate_after
+from fedhet.toolkit.evaluate import client_test_samples, evaluate, evaluate_global, local_risk
+from fedhet.toolkit.flat import FlatModel
+from fedhet.toolkit.local import derive_seed
 
 
 class Evaluator:

@@ -15,10 +15,10 @@ import torch
 from fedhet.algorithms import Algorithm
 from fedhet.config import Config
 from fedhet.data.federated import FederatedDataset
-from fedhet.engine.evaluate import client_accuracy
-from fedhet.engine.flat import FlatModel
-from fedhet.engine.local import derive_seed
 from fedhet.results.store import MetricsLog
+from fedhet.toolkit.evaluate import client_accuracy
+from fedhet.toolkit.flat import FlatModel
+from fedhet.toolkit.local import derive_seed
 
 
 class ClientSampler:

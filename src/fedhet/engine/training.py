@@ -19,11 +19,11 @@ from fedhet.config import Config
 from fedhet.data.augment import build_augment
 from fedhet.data.federated import FederatedDataset, federate
 from fedhet.engine.client import ClientRunner
-from fedhet.engine.flat import FlatModel
-from fedhet.engine.local import derive_seed
 from fedhet.engine.rundir import usable_cores
 from fedhet.errors import ConfigError
 from fedhet.registry import Registry
+from fedhet.toolkit.flat import FlatModel
+from fedhet.toolkit.local import derive_seed
 
 
 def component_registries() -> tuple[tuple[str, Registry], ...]:

@@ -284,7 +284,7 @@ class Normalized(nn.Module):
 
 def attach_lra(model: FedModel, settings: LRASettings, normalize: bool = False, residual_mix: float = 0.0) -> FedModel:
     """Put LRA between ``model``'s body and its head (which becomes the predictor), and record the model's fixed
-    evaluation batch when LRA runs at evaluation (read by ``engine.evaluate.eval_batch_size``). ``residual_mix``:
+    evaluation batch when LRA runs at evaluation (read by ``toolkit.evaluate.eval_batch_size``). ``residual_mix``:
     see ``LRAHead``."""
     model.head = LRAHead(LRA(model.embedding_dim, settings), model.head, normalize, residual_mix)
     model.transductive_batch = settings.eval_batch if settings.at_eval else None

@@ -1,0 +1,78 @@
+"""The messages and contexts of the algorithm contract (``fedhet.algorithms.base``): what crosses the wire (``Message``,
+``Reply``), what a client's hooks see (``ClientContext``) and what an algorithm is built with (``Setup``). Plain
+dataclasses under both the contract's ``Algorithm`` class and the local loop that calls its hooks, so neither imports
+the other's module in a circle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fedhet.data.types import ClientData
+
+if TYPE_CHECKING:
+    from fedhet.config import TrainSection
+    from fedhet.models.base import FedModel
+    from fedhet.toolkit.flat import FlatModel
+
+Scalar = float | int | str | bool
+
+
+@dataclass
+class Message:
+    """Server -> client payload."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    scalars: dict[str, Scalar] = field(default_factory=dict)
+
+
+@dataclass
+class Reply:
+    """Client -> server payload."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    scalars: dict[str, Scalar] = field(default_factory=dict)
+    num_examples: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ClientContext:
+    """Everything a client-side hook may use. The loop fills the mutable fields as it goes."""
+
+    cid: int
+    round: int
+    phase: str
+    message: Message
+    data: ClientData
+    state: dict[str, torch.Tensor]  # persistent client-held state; mutate in place, the engine stores it
+    model: FedModel
+    flat: FlatModel
+    train: TrainSection
+    generator: torch.Generator
+    augment: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None = None
+    lr: float = 0.0
+    steps: int = 0  # local steps taken so far
+    loss_sum: float = 0.0
+    scratch: dict[str, Any] = field(default_factory=dict)  # per-round working values of a hook
+    # indices into ``data`` of the mini-batch being trained on, set by the sequential loop before ``local_loss`` (for
+    # per-sample values a hook computes once per round, e.g. FedUFO's teacher predictions); None outside the loop
+    batch: torch.Tensor | None = None
+
+    @property
+    def global_params(self) -> torch.Tensor:
+        return self.message.tensors["params"]
+
+
+@dataclass
+class Setup:
+    """What an algorithm is told about the federation when it is built (on server and client alike)."""
+
+    num_clients: int
+    num_classes: int
+    train: TrainSection
+    build_model: Callable[[], FedModel]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))

@@ -1,0 +1,45 @@
+"""The one shared local-training loop. Algorithms change it through hooks (see ``fedhet.algorithms.base``); the
+contract's types are imported for annotations only, and the contract calls this loop, so the two live in one layer."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fedhet.toolkit.local import FlatSGD, batch_indices, clip_grad_norm, num_local_steps
+
+if TYPE_CHECKING:
+    from fedhet.algorithms.contract import ClientContext, Reply
+
+
+def train_locally(algo: Any, ctx: ClientContext) -> Reply:
+    """Load the received model, run the client's local steps with the algorithm's hooks, and build the reply.
+
+    ``algo`` is an ``Algorithm`` (``fedhet.algorithms.base``, which calls this loop): its hooks ``before_local``,
+    ``local_loss``, ``after_backward``, ``after_step`` and ``after_local``."""
+    msg = ctx.message
+    ctx.flat.set_params(msg.tensors["params"])
+    if "buffers" in msg.tensors:
+        ctx.flat.set_buffers(msg.tensors["buffers"])
+    ctx.lr = float(msg.scalars.get("lr", ctx.train.lr))
+    ctx.model.train()
+    algo.before_local(ctx)
+    t = ctx.train
+    opt = FlatSGD(ctx.flat, ctx.lr, t.momentum, t.weight_decay, t.nesterov)
+    ctx.scratch["optimizer"] = opt
+    total = num_local_steps(len(ctx.data), t.batch_size, t.local_epochs, t.local_steps)
+    for idx in batch_indices(len(ctx.data), t.batch_size, total, ctx.generator):
+        ctx.batch = idx
+        x, y = ctx.data.x[idx], ctx.data.y[idx]
+        if ctx.augment is not None:
+            x = ctx.augment(x, ctx.generator)
+        ctx.flat.zero_grad()
+        loss = algo.local_loss(ctx, x, y)
+        loss.backward()
+        algo.after_backward(ctx)
+        if t.grad_clip is not None:
+            clip_grad_norm(ctx.flat.grad, t.grad_clip)
+        opt.step()
+        ctx.steps += 1
+        ctx.loss_sum += float(loss.detach())
+        algo.after_step(ctx)
+    return algo.after_local(ctx)

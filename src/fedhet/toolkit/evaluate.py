@@ -1,0 +1,204 @@
+"""Evaluation protocols: global accuracy, accuracy on each client's distribution, fairness across clients."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:  # a runtime import would be circular: algorithms -> evaluate -> data.federated -> algorithms
+    from fedhet.data.federated import FederatedDataset
+
+
+@dataclass
+class EvalStats:
+    loss_sum: float
+    correct: np.ndarray  # per class
+    count: np.ndarray  # per class
+    hits: np.ndarray | None = None  # per sample: predicted right
+
+    @property
+    def n(self) -> int:
+        return int(self.count.sum())
+
+    @property
+    def acc(self) -> float:
+        return float(self.correct.sum() / max(self.n, 1))
+
+    @property
+    def loss(self) -> float:
+        return self.loss_sum / max(self.n, 1)
+
+    def per_class_acc(self) -> np.ndarray:
+        """Accuracy per class; NaN for classes absent from the test data."""
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.count > 0, self.correct / self.count, np.nan)
+
+
+def eval_batch_size(model: nn.Module, requested: int) -> int:
+    """The batch size to evaluate ``model`` with: ``requested`` (``run.eval_batch_size``), unless the model's
+    predictions depend on the other samples of a batch (FedRANE's LRA at evaluation), in which case it fixes its
+    own (``model.transductive_batch``) so its accuracy does not depend on how the caller cuts the data."""
+    fixed = getattr(model, "transductive_batch", None)
+    return fixed if fixed is not None else requested
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: int, batch_size: int) -> EvalStats:
+    batch_size = eval_batch_size(model, batch_size)
+    was_training = model.training
+    model.eval()
+    loss_sum = 0.0
+    correct = torch.zeros(num_classes, dtype=torch.float64)
+    hits = []
+    for start in range(0, len(y), batch_size):
+        xb, yb = x[start : start + batch_size], y[start : start + batch_size]
+        logits = model(xb)
+        loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
+        hit = (logits.argmax(1) == yb).cpu()
+        hits.append(hit)
+        correct.index_add_(0, yb.cpu(), hit.to(torch.float64))
+    count = torch.bincount(y.cpu(), minlength=num_classes).numpy().astype(np.float64)
+    model.train(was_training)
+    return EvalStats(loss_sum, correct.numpy(), count, torch.cat(hits).numpy() if hits else np.zeros(0, bool))
+
+
+@torch.no_grad()
+def local_test_acc(model: nn.Module, clients: list, batch_size: int, on_train: bool = False) -> np.ndarray:
+    """Each client's accuracy on its local test split, or with ``on_train`` on its training data (NaN where empty).
+
+    The splits are evaluated in full batches drawn across clients, so 10,000 clients of a few samples cost what their
+    union costs, not 10,000 forward passes (the model is in eval mode: a sample's prediction does not depend on the
+    others in its batch). A model whose prediction does depend on them (``transductive_batch``) is evaluated on each
+    client's split alone, in batches of its own size, so no client's accuracy depends on another client's data."""
+    data = [(c.x, c.y) if on_train else (c.x_test, c.y_test) for c in clients]
+    if getattr(model, "transductive_batch", None) is not None:
+        n = clients[0].num_classes if clients else 0
+        return np.array([evaluate(model, x, y, n, batch_size).acc if len(y) else np.nan for x, y in data])
+    was_training = model.training
+    model.eval()
+    hits = np.zeros(len(clients))
+    counts = np.array([len(y) for _, y in data], dtype=np.float64)
+    xs, ys, owners = [], [], []
+
+    def flush() -> None:
+        if ys:
+            y = torch.cat(ys)
+            hit = (model(torch.cat(xs)).argmax(1) == y).cpu().numpy()
+            np.add.at(hits, np.concatenate(owners), hit)
+            xs.clear(), ys.clear(), owners.clear()
+
+    pending = 0
+    for i, (x_c, y_c) in enumerate(data):
+        for start in range(0, len(y_c), batch_size):
+            y = y_c[start : start + batch_size]
+            xs.append(x_c[start : start + batch_size])
+            ys.append(y)
+            owners.append(np.full(len(y), i))
+            pending += len(y)
+            if pending >= batch_size:
+                flush()
+                pending = 0
+    flush()
+    model.train(was_training)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, hits / counts, np.nan)
+
+
+def client_distribution_acc(per_class_acc: np.ndarray, label_dist: np.ndarray) -> np.ndarray:
+    """acc_m = sum_c pi_c^m acc_c for every client m (FedACD Table 2 protocol, notes/fedacd.md 4.5).
+
+    This is the expected accuracy on a test set drawn with client m's training label proportions. Classes absent
+    from the test set are left out and the client's proportions renormalised over the rest.
+    """
+    known = ~np.isnan(per_class_acc)
+    pi = label_dist[:, known]
+    pi = pi / np.maximum(pi.sum(axis=1, keepdims=True), 1e-12)
+    return pi @ per_class_acc[known]
+
+
+def client_test_samples(
+    y_test: np.ndarray, label_dist: np.ndarray, sizes: np.ndarray, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Per client, indices into the test set forming a test sample with the client's label proportions.
+
+    Client m's ``sizes[m]`` class labels are drawn from pi^m restricted to the classes the test set has; each class's
+    share is then taken from that class's test samples without replacement, or with replacement where it asks for
+    more than the test set holds (a large client of one class)."""
+    by_class = [np.flatnonzero(y_test == c) for c in range(label_dist.shape[1])]
+    known = np.array([len(ix) > 0 for ix in by_class])
+    samples = []
+    for pi, n in zip(label_dist, sizes, strict=True):
+        p = np.where(known, pi, 0.0)
+        if p.sum() <= 0 or n <= 0:
+            samples.append(np.zeros(0, dtype=np.int64))
+            continue
+        per_class = rng.multinomial(int(n), p / p.sum())
+        parts = [rng.choice(by_class[c], size=k, replace=k > len(by_class[c])) for c, k in enumerate(per_class) if k]
+        samples.append(np.sort(np.concatenate(parts)))
+    return samples
+
+
+def sampled_distribution_acc(hits: np.ndarray, samples: list[np.ndarray]) -> float:
+    """Mean over clients (each counted once, as in FedACD's Eq. 2) of the accuracy on their own test sample."""
+    accs = [hits[ix].mean() for ix in samples if len(ix)]
+    return float(np.mean(accs)) if accs else math.nan
+
+
+def local_risk(per_class_acc: np.ndarray, label_dist: np.ndarray) -> float:
+    """FedACD's Eq. 3: a model's error averaged over every client's label distribution, clients weighted equally,
+    eps . mean_m(pi^m) (Table 3). Classes absent from the test set are left out and the weights renormalised."""
+    known = ~np.isnan(per_class_acc)
+    pibar = label_dist.mean(axis=0)[known]
+    return float((1.0 - per_class_acc[known]) @ pibar / max(pibar.sum(), 1e-12))
+
+
+def fairness(acc: np.ndarray, sizes: np.ndarray) -> dict[str, float]:
+    """Spread of per-client accuracies: mean, std, min, max, mean of the worst 10%, smallest/largest client."""
+    k = max(1, math.ceil(0.1 * len(acc)))
+    return {
+        "client_acc_mean": float(acc.mean()),
+        "client_acc_std": float(acc.std()),
+        "client_acc_min": float(acc.min()),
+        "client_acc_max": float(acc.max()),
+        "client_acc_worst10": float(np.sort(acc)[:k].mean()),
+        "acc_smallest_client": float(acc[int(np.argmin(sizes))]),
+        "acc_largest_client": float(acc[int(np.argmax(sizes))]),
+    }
+
+
+def evaluate_global(
+    model: nn.Module, fed: FederatedDataset, batch_size: int, samples: list[np.ndarray] | None = None
+) -> dict[str, float]:
+    """All global-model metrics of one evaluation round; ``samples`` are the clients' sampled test sets, if any."""
+    stats = evaluate(model, fed.x_test, fed.y_test, fed.num_classes, batch_size)
+    per_class = stats.per_class_acc()
+    dist_acc = client_distribution_acc(per_class, fed.label_distribution())
+    out = {"test_acc": stats.acc, "test_loss": stats.loss, "client_dist_acc": float(dist_acc.mean())}
+    if samples is not None:
+        out["client_dist_acc_sampled"] = sampled_distribution_acc(stats.hits, samples)
+    out.update(fairness(client_accuracy(model, fed, batch_size, dist_acc=dist_acc), fed.sizes))
+    return out
+
+
+def client_accuracy(
+    model: nn.Module, fed: FederatedDataset, batch_size: int, on_train: bool = False, dist_acc: np.ndarray | None = None
+) -> np.ndarray:
+    """Each client's accuracy of the model, as the fairness metrics measure it: on the client's own local test data
+    (the exact per-client accuracy), or with ``on_train`` on its training data; a client without such data gets its
+    distribution-weighted accuracy on the global test set (``dist_acc``, computed here when not given)."""
+    if on_train or fed.has_local_test:
+        acc = local_test_acc(model, fed.clients, batch_size, on_train=on_train)
+    else:
+        acc = np.full(fed.num_clients, np.nan)
+    if np.isnan(acc).any():
+        if dist_acc is None:
+            per_class = evaluate(model, fed.x_test, fed.y_test, fed.num_classes, batch_size).per_class_acc()
+            dist_acc = client_distribution_acc(per_class, fed.label_distribution())
+        acc = np.where(np.isnan(acc), dist_acc, acc)
+    return acc
