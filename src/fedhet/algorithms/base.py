@@ -29,6 +29,7 @@ from pydantic import ConfigDict
 from fedhet.algorithms.contract import ClientContext, Message, Reply, Scalar, Setup  # noqa: F401  (the types)
 from fedhet.algorithms.loop import train_locally
 from fedhet.algorithms.server_opt import ServerOptimizer
+from fedhet.data.types import ClientData  # noqa: F401  (re-exported: plug-ins import it from here)
 from fedhet.params import Params
 from fedhet.registry import Registry
 from fedhet.toolkit.flat import weighted_sum  # noqa: F401  (algorithms import it from here)

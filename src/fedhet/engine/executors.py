@@ -32,3 +32,8 @@ def build_executor(
     if workers == 1:
         return LocalExecutor(runner, fed.clients, store), 1
     return ProcessExecutor(runner, fed, store, cfg.to_dict(), workers), workers
+
+
+def executor_kind(executor: Executor) -> str:
+    """ "batched" or "sequential" (in-process, worker processes and Flower clients give the same bits)."""
+    return "batched" if isinstance(executor, BatchedExecutor) else "sequential"

@@ -3,8 +3,11 @@ summary carries about what the run could not train on or measure. A run that did
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from fedhet.algorithms import Algorithm
 from fedhet.config import Config
@@ -87,3 +90,17 @@ class RunHealth:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.empty_streak = state.get("empty_streak", 0)
         self.empty_rounds = state.get("empty_rounds", self.empty_streak)  # older checkpoints kept only the streak
+
+
+def nonfinite(tree: Any, prefix: str = "") -> list[str]:
+    """The names of the non-finite tensors and floats in a (nested) state dict."""
+    if isinstance(tree, dict):
+        return [n for k, v in tree.items() for n in nonfinite(v, f"{prefix}{k}.")]
+    if isinstance(tree, list | tuple):
+        return [n for i, v in enumerate(tree) for n in nonfinite(v, f"{prefix}{i}.")]
+    name = prefix.rstrip(".")
+    if isinstance(tree, torch.Tensor):
+        return [] if not tree.is_floating_point() or bool(torch.isfinite(tree).all()) else [name]
+    if isinstance(tree, float):
+        return [] if math.isfinite(tree) else [name]
+    return []

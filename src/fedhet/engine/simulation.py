@@ -8,7 +8,6 @@ measures), ``health`` (whether the run trained), ``runfolder`` (the run folder's
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,13 +18,12 @@ from rich.console import Console
 
 from fedhet.config import Config
 from fedhet.data.federated import FederatedDataset
-from fedhet.engine.batched import BatchedExecutor
 from fedhet.engine.checkpoint import LAST, write_checkpoint
 from fedhet.engine.client import Executor, RoundResult
 from fedhet.engine.display import RunDisplay
 from fedhet.engine.evaluation import Evaluator
-from fedhet.engine.executors import build_executor
-from fedhet.engine.health import RunHealth
+from fedhet.engine.executors import build_executor, executor_kind
+from fedhet.engine.health import RunHealth, nonfinite
 from fedhet.engine.rundir import environment
 from fedhet.engine.runfolder import DISK_FULL, RunFolder, rounding_changes
 from fedhet.engine.sampling import ClientSampler
@@ -39,8 +37,10 @@ from fedhet.engine.training import (  # noqa: F401  (the names below were this m
     config_changes,
     resolve_config,
     resolve_workers,
+    share_data,
+    training_federation,
 )
-from fedhet.errors import ConfigError, DiskFull, RunFailed
+from fedhet.errors import DiskFull, RunFailed
 from fedhet.results.trackers import Trackers
 
 # how the user asks to continue or replace a run folder, as messages word it (the Flower app words it its way)
@@ -63,21 +63,11 @@ class Simulation:
         self.name = cfg.run.name or cfg.default_name()
         self.run_dir = Path(cfg.run.out_dir) / self.name
         self.display = RunDisplay(console or Console(stderr=True), self.name, cfg.run.rounds, cfg.run.progress)
-        self.fed = self.eval_fed = fed if fed is not None else build_federation(cfg)  # eval_fed: the partition's
-        if algorithm_config(cfg)[0].pools_clients:
-            if executor is not None:
-                raise ConfigError(
-                    f"{cfg.algorithm.name} trains one client holding every client's data, which exists only in the "
-                    "simulation; run it with fedhet run or compare, not over Flower"
-                )
-            self.fed = self.fed.pooled()  # training pools the clients; evaluation still measures each (centralized)
+        self.eval_fed = fed if fed is not None else build_federation(cfg)  # the partition's clients, evaluated
+        self.fed = training_federation(cfg, self.eval_fed, in_process=executor is None)  # pooled for centralized
         parts = build_training(cfg, self.fed)
         self.model, self.flat, self.setup, self.algo = parts.model, parts.flat, parts.setup, parts.algo
-        if self.algo.shares_data:  # a data-sharing method (FedMeta) gets its copies of the clients' data
-            try:
-                self.algo.receive_shared_data(self.fed, cfg.run.seed)
-            except ValueError as err:
-                raise ConfigError(f"{err} (its clients' data are on the nodes); run it in the simulation") from None
+        share_data(self.algo, self.fed, cfg.run.seed)
         store = build_state_store(cfg.run.client_state, self.run_dir / "client_state", cfg.run.client_state_budget_mb)
         self.workers = 1 if executor is not None else resolve_workers(cfg)
         if executor is None:
@@ -278,19 +268,10 @@ class Simulation:
 
     @property
     def executor_kind(self) -> str:
-        """ "batched" or "sequential" (in-process, worker processes and Flower clients give the same bits)."""
-        return "batched" if isinstance(self.executor, BatchedExecutor) else "sequential"
+        return executor_kind(self.executor)
 
     def warn(self, text: str) -> None:
         self.display.warn(text)
-
-    @property
-    def flags(self) -> dict[str, str]:
-        return self.folder.flags
-
-    @flags.setter
-    def flags(self, value: dict[str, str]) -> None:
-        self.folder.flags = value
 
     # ------------------------------------------------------------------ the parts, as tests and tools reach them
     def sample_clients(self, rnd: int) -> list[int]:
@@ -309,17 +290,3 @@ class Simulation:
 
     def personal_sample(self, rnd: int, seen: list[int]) -> list[int]:
         return self.evaluator.personal_sample(rnd, seen)
-
-
-def nonfinite(tree: Any, prefix: str = "") -> list[str]:
-    """The names of the non-finite tensors and floats in a (nested) state dict."""
-    if isinstance(tree, dict):
-        return [n for k, v in tree.items() for n in nonfinite(v, f"{prefix}{k}.")]
-    if isinstance(tree, list | tuple):
-        return [n for i, v in enumerate(tree) for n in nonfinite(v, f"{prefix}{i}.")]
-    name = prefix.rstrip(".")
-    if isinstance(tree, torch.Tensor):
-        return [] if not tree.is_floating_point() or bool(torch.isfinite(tree).all()) else [name]
-    if isinstance(tree, float):
-        return [] if math.isfinite(tree) else [name]
-    return []

@@ -244,3 +244,26 @@ def resolve_workers(cfg: Config) -> int:
     if torch.device(cfg.run.device).type != "cpu" or cores < AUTO_WORKERS_MIN_CORES or per_round < 2:
         return 1
     return min(cores, per_round)
+
+
+def training_federation(cfg: Config, fed: FederatedDataset, in_process: bool) -> FederatedDataset:
+    """The clients that train: ``fed``, or one client holding all of their data for a method that pools them
+    (``centralized``, the upper bound), which exists only in the simulation."""
+    if not algorithm_config(cfg)[0].pools_clients:
+        return fed
+    if not in_process:
+        raise ConfigError(
+            f"{cfg.algorithm.name} trains one client holding every client's data, which exists only in the "
+            "simulation; run it with fedhet run or compare, not over Flower"
+        )
+    return fed.pooled()
+
+
+def share_data(algo: Algorithm, fed: FederatedDataset, seed: int) -> None:
+    """A data-sharing method (FedMeta) gets its copies of the clients' data, which only the simulation holds."""
+    if not algo.shares_data:
+        return
+    try:
+        algo.receive_shared_data(fed, seed)
+    except ValueError as err:
+        raise ConfigError(f"{err} (its clients' data are on the nodes); run it in the simulation") from None

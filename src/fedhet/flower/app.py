@@ -84,7 +84,7 @@ def run_server(grid: Grid, cfg: Config, options: RunOptions, console: Console | 
         accept_state_loss=options.accept_state_loss,
     )
     sim = Simulation(cfg, fed=server_federation(cfg, nodes), console=console, executor=executor)
-    sim.flags = dict(zip(("resume", "overwrite"), options.flags, strict=True))
+    sim.folder.flags = dict(zip(("resume", "overwrite"), options.flags, strict=True))
     return sim.run(resume=options.resume, overwrite=options.overwrite)
 
 
