@@ -19,7 +19,8 @@ command line) and ``RunFailed`` (a run that could not go on).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -173,19 +174,22 @@ def run(
     resume: bool = False,
     overwrite: bool = False,
     console: Console | None = None,
+    accept_changed_plugins: bool = False,
     **shortcuts: Any,
 ) -> RunResult:
     """Train one config; writes its run folder (``run.out_dir/run.name``) and returns its results.
 
     ``resume`` continues the folder's last checkpoint, ``overwrite`` replaces the folder; without either an existing
-    folder is an error. Progress goes to ``console`` (default: stderr; ``run.progress = false`` hides the bar)."""
+    folder is an error. Progress goes to ``console`` (default: stderr; ``run.progress = false`` hides the bar).
+    ``accept_changed_plugins`` resumes a run whose plug-in files changed since it recorded them (else refused)."""
     from fedhet.engine.rundir import check_run_flags
     from fedhet.engine.simulation import Simulation
 
     check_run_flags(resume, overwrite)
     cfg = make_config(config, overrides, plugins=plugins, **shortcuts)
     sim = Simulation(cfg, console=console)
-    sim.run(resume=resume, overwrite=overwrite)
+    with _accepting_plugins(accept_changed_plugins):
+        sim.run(resume=resume, overwrite=overwrite)
     return load_run(sim.run_dir)
 
 
@@ -201,9 +205,11 @@ def resume(
     *,
     plugins: Iterable[str | Path] | None = None,
     console: Console | None = None,
+    accept_changed_plugins: bool = False,
 ) -> RunResult:
     """Continue a killed run (or extend a finished one to ``rounds``) from its folder alone, with the config and the
-    plug-ins saved in it; ``plugins`` replaces those plug-ins (their files moved)."""
+    plug-ins saved in it; ``plugins`` replaces those plug-ins (their files moved). A plug-in file edited since the
+    run recorded it is refused unless ``accept_changed_plugins``."""
     from fedhet.config import saved_run_config
     from fedhet.engine.simulation import Simulation
 
@@ -211,7 +217,8 @@ def resume(
     if plugins is not None:
         more.append(f"run.plugins={[str(p) for p in plugins]!r}")
     sim = Simulation(saved_run_config(run_dir, [*more, *overrides]), console=console)
-    sim.run(resume=True)
+    with _accepting_plugins(accept_changed_plugins):
+        sim.run(resume=True)
     return load_run(sim.run_dir)
 
 
@@ -230,6 +237,7 @@ def compare(
     plugins: Iterable[str | Path] = (),
     console: Console | None = None,
     err_console: Console | None = None,
+    accept_changed_plugins: bool = False,
     **shortcuts: Any,
 ) -> list[RunResult]:
     """Run every cell (grid point x seed x variant) of a comparison, as ``fedhet compare`` does; returns the runs.
@@ -260,21 +268,38 @@ def compare(
     elif grid is not None:
         grid_items = list(grid)
     quiet = Console(quiet=True)
-    dirs = run_comparison(
-        raw,
-        [],
-        variant_text,
-        seed_text,
-        grid=grid_items,
-        partitions=partitions,
-        jobs=jobs,
-        threads=threads,
-        overwrite=overwrite,
-        dry_run=dry_run,
-        console=console or quiet,
-        err_console=err_console or console or quiet,
-    )
+    with _accepting_plugins(accept_changed_plugins):  # cells whose plug-in changed continue, not refused
+        dirs = run_comparison(
+            raw,
+            [],
+            variant_text,
+            seed_text,
+            grid=grid_items,
+            partitions=partitions,
+            jobs=jobs,
+            threads=threads,
+            overwrite=overwrite,
+            dry_run=dry_run,
+            console=console or quiet,
+            err_console=err_console or console or quiet,
+        )
     return [load_run(d) for d in dirs]
+
+
+@contextmanager
+def _accepting_plugins(accept: bool) -> Iterator[None]:
+    """``accept_changed_plugins=True`` as ``--accept-changed-plugins`` for the length of one call (the worker
+    processes it starts included); False leaves the setting as it is (the CLI's flag, FEDHET_ACCEPT_CHANGED_PLUGINS)."""
+    from fedhet import plugins
+
+    if not accept or plugins.accepting_changes():
+        yield
+        return
+    plugins.accept_changes(True)
+    try:
+        yield
+    finally:
+        plugins.accept_changes(False)
 
 
 def _one_or_many(many: Any, one: Any, many_name: str, one_name: str) -> Any:

@@ -114,6 +114,15 @@ def cell_state(cell: Cell) -> CellState:
         changed = config_changes(saved, resolve_config(cell.config))
         if changed:
             return CellState("conflict", ", ".join(changed))
+    from fedhet import plugins
+
+    if not plugins.accepting_changes():  # a finished cell is not skipped, nor a killed one resumed, under new code
+        diffs = plugins.changed(plugins.saved_fingerprints(folder), plugins.fingerprints(cell.config.run.plugins))
+        if diffs:
+            return CellState(
+                "conflict",
+                f"plug-in changed: {'; '.join(diffs)}; pass {plugins.ACCEPT_FLAG} to continue it under the new code",
+            )
     try:
         summary = read_json(folder / "summary.json")
     except (OSError, ValueError):

@@ -278,15 +278,23 @@ def check_unchanged(
 
 
 def saved_fingerprints(run_dir: str | Path) -> dict[str, Any] | None:
-    """The plug-in fingerprints a run folder's provenance.json recorded, or None (none recorded, unreadable)."""
+    """The plug-in fingerprints a run folder's provenance.json recorded last (the newest resume that recorded them,
+    else the run's start: a change accepted at one resume is not refused again at the next), or None (none
+    recorded, unreadable)."""
     import json
 
     try:
         info = json.loads((Path(run_dir) / "provenance.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    plugins = info.get("plugins") if isinstance(info, dict) else None
-    return plugins if isinstance(plugins, dict) else None
+    if not isinstance(info, dict):
+        return None
+    resumes = info.get("resumes")
+    records = [r for r in resumes if isinstance(r, dict)] if isinstance(resumes, list) else []
+    for record in [*reversed(records), info]:
+        if isinstance(record.get("plugins"), dict):
+            return record["plugins"]
+    return None
 
 
 def fedhet_version() -> dict[str, Any]:

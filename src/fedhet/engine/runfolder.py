@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fedhet import plugins
 from fedhet.config import Config
 from fedhet.engine.checkpoint import CheckpointError, Loaded, load_latest, remove_temporaries
 from fedhet.engine.rundir import (
@@ -63,6 +64,7 @@ class RunFolder:
         if overwrite and self.path.exists():
             remove_run_dir(self.path)
         if resume and self.path.is_dir():
+            self.check_plugins()
             loaded = self.load_checkpoint(load)
             if loaded is not None:
                 self.restore_metrics(loaded.state)
@@ -81,6 +83,18 @@ class RunFolder:
         self.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path / "config.json", self.resolved)
         return None
+
+    def check_plugins(self) -> None:
+        """Refuse to resume under plug-in code that differs from what the run recorded in provenance.json (one
+        line naming the file), unless --accept-changed-plugins; accepted, the change is a warning."""
+        diffs = plugins.check_unchanged(
+            plugins.saved_fingerprints(self.path), plugins.fingerprints(self.cfg.run.plugins), self.path
+        )
+        if diffs:
+            self.warn(
+                f"continuing under changed plug-in code ({'; '.join(diffs)}, accepted): the rounds before and after "
+                "this resume ran different code"
+            )
 
     def load_checkpoint(self, load: Callable[[dict[str, Any]], None]) -> Loaded | None:
         """The newest usable checkpoint, ``load`` applied to it; None when the folder has none."""
@@ -157,22 +171,24 @@ class RunFolder:
     def record_environment(
         self, resumed_at: int | None, now: dict[str, Any], data: dict[str, Any], rounding: list[str]
     ) -> None:
-        """provenance.json: what ran (``now``: versions, machine, thread count; ``data``: its source and hash), and
-        every resume.
+        """provenance.json: what ran (``now``: versions, machine, thread count; ``data``: its source and hash; the
+        code: fedhet's version and commit, each plug-in's SHA-256, ``plugins.provenance``), and every resume (with
+        the code it resumed under; the top-level ``plugins`` stay as first recorded).
 
         A resume warns once, naming every change since the checkpoint that alters float rounding (``rounding``: those
         the checkpoint shows, e.g. another thread count)."""
         path = self.path / "provenance.json"
         moved: list[str] = []
         info = self.read_provenance(path) if resumed_at is not None else None
+        code = plugins.provenance(self.cfg.run.plugins)  # {"fedhet_code": ..., "plugins": ...}
         if info is None:
-            info = {**now, "data": data, "resumes": []}
+            info = {**now, **code, "data": data, "resumes": []}
             if resumed_at is not None:
                 info["rewritten_at_round"] = resumed_at  # what ran before this resume is not known
         else:
             last = (info["resumes"] or [info])[-1]  # where the run trained until now
             moved = [f"it continues on {change}" for change in environment_changes(last, now)]
-            info["resumes"].append({"round": resumed_at, **now})
+            info["resumes"].append({"round": resumed_at, **now, **code})
         changes = rounding + moved
         if changes:
             self.warn(
