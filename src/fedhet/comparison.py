@@ -342,10 +342,13 @@ def plan_comparison(
     seeds: str | None = None,
     grid: list[str] | None = None,
     partitions: str | None = None,
+    writable: bool = True,
 ) -> Comparison:
     """Every cell's validated config (grid point x seed x variant); raises ConfigError naming a bad cell. ``config``
-    is a TOML file or its contents (``fedhet.api.config_dict``)."""
+    is a TOML file or its contents (``fedhet.api.config_dict``). The paths they name are checked as ``fedhet run``
+    checks them (``writable``: the output folders can be made and written; False for --dry-run)."""
     from fedhet.engine.simulation import resolve_config
+    from fedhet.paths import check_config_paths
 
     base = copy.deepcopy(config) if isinstance(config, dict) else load_raw(config)
     spec = parse_spec(base.pop("compare", {}))
@@ -365,6 +368,7 @@ def plan_comparison(
     sweep = grid_from_table(spec.grid)
     sweep.update(parse_grid_option(list(grid or [])))
     base_cfg = build_config(base)
+    check_config_paths(base_cfg, writable=writable)  # -o a file, a FIFO --data-dir: one line before any cell
     out_dir = Path(base_cfg.run.out_dir)
     cells, labels, points = [], {}, {}
     took: dict[str, set[str]] = {section: set() for section in VARIANT_SECTIONS}
@@ -383,6 +387,7 @@ def plan_comparison(
                 try:
                     cfg = build_config(raw)
                     resolve_config(cfg)  # every cell is checked before any trains
+                    check_config_paths(cfg, writable=writable)  # e.g. its run folder a dangling link
                 except ConfigError as err:
                     raise ConfigError(f"{name}: {err}") from None
                 cells.append(Cell(name, cfg))
@@ -429,7 +434,7 @@ def run_comparison(
     """Run (or continue) every cell, then write the tables and plots; returns the run folders tabulated.
 
     Raises RunFailed, after tabulating the others, when some cells failed."""
-    plan = plan_comparison(config, overrides, variants, seeds, grid, partitions)
+    plan = plan_comparison(config, overrides, variants, seeds, grid, partitions, writable=not dry_run)
     if dry_run:
         print_plan(plan, overwrite, console)
         return []

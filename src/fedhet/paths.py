@@ -274,18 +274,26 @@ def size_text(n: int) -> str:
     return f"{n} bytes"
 
 
-def mlflow_folder(uri: str | None, out_dir: PathLike) -> Path | None:
-    """The local folder an MLflow tracking URI writes to (its file store), None for a server or database URI."""
+def mlflow_paths(uri: str | None, out_dir: PathLike) -> list[tuple[Path, str]]:
+    """The local paths an MLflow tracking URI writes, each as (path, what it is; "MLflow database" is a file): for
+    the default store (``sqlite:///<out_dir>/mlflow.db``, results/trackers.py) and any ``sqlite:///`` URI the
+    database file and the ``mlartifacts`` folder beside it; for a file store (``file:`` URI or a plain path) its
+    folder; none for a server or another database."""
     from urllib.parse import unquote, urlparse
 
-    if uri is None:
-        return Path(out_dir) / "mlruns"
+    from fedhet.results.trackers import MLFLOW_ARTIFACTS, MLFLOW_DB, sqlite_path
+
+    database = Path(out_dir) / MLFLOW_DB if uri is None else sqlite_path(uri)
+    if database is not None:
+        return [(database, "MLflow database"), (database.parent / MLFLOW_ARTIFACTS, "MLflow artifacts folder")]
+    if uri is None or uri.startswith("sqlite:"):  # sqlite:// in memory
+        return []
     parsed = urlparse(uri)
     if parsed.scheme == "file":
-        return Path(unquote(parsed.path))
+        return [(Path(unquote(parsed.path)), "MLflow store")]
     if not parsed.scheme or len(parsed.scheme) == 1:  # a plain path (a Windows drive letter looks like a scheme)
-        return Path(uri)
-    return None
+        return [(Path(uri), "MLflow store")]
+    return []
 
 
 def check_config_paths(cfg, *, writable: bool = False) -> None:
@@ -306,11 +314,14 @@ def check_config_paths(cfg, *, writable: bool = False) -> None:
     t = cfg.tracking
     if t.tensorboard:
         outputs.append((run_dir / "tensorboard", "TensorBoard folder", "tracking.tensorboard", None))
+    files = []
     if t.mlflow:
-        folder = mlflow_folder(t.mlflow_uri, out_dir)
-        if folder is not None:
-            outputs.append((folder, "MLflow store", "tracking.mlflow_uri", None))
+        for path, what in mlflow_paths(t.mlflow_uri, out_dir):
+            (files if what == "MLflow database" else outputs).append((path, what, "tracking.mlflow_uri", None))
     if t.wandb:
         outputs.append((Path(t.wandb_dir) if t.wandb_dir else out_dir, "W&B folder", "tracking.wandb_dir", None))
     for folder, what, setting, role in outputs:
         check_folder(folder, what, creatable=writable, setting=setting, role=role)
+    for path, what, setting, role in files:  # the database: a regular file, or none yet
+        if writable or os.path.lexists(path):
+            check_output_file(path, what, setting=setting, role=role)
