@@ -408,13 +408,28 @@ def list_cmd(
         table.add_column("name", style="bold")
         table.add_column("description")
         table.add_column("parameters (defaults)")
+        # which models take which datasets' inputs (models/fit.py), and the model a dataset gets by default
+        extra = {"models": "fits datasets", "datasets": "default model"}.get(kind)
+        if extra:
+            table.add_column(extra)
         for e in registry.entries():
             params = ""
             if e.params is not None:
                 fields = e.params.model_fields.items()
                 params = ", ".join(f"{k}={f.get_default(call_default_factory=True)!r}" for k, f in fields)
-            table.add_row(e.name, e.summary, params)
+            table.add_row(e.name, e.summary, params, *([_fit_text(kind, e.name)] if extra else []))
         console.print(table)
+
+
+def _fit_text(kind: str, name: str) -> str:
+    """``fedhet list``'s fit column: the datasets a model takes, or the model a dataset gets without model.name."""
+    from fedhet.models import fit
+
+    if kind == "models":
+        return ", ".join(fit.fits(name)) or "(none built in)"
+    if fit.dataset_input(name) is None:
+        return f"{fit.DEFAULT_MODEL} (input not known before loading)"
+    return fit.default_model(name)
 
 
 def main() -> None:

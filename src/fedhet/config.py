@@ -213,7 +213,9 @@ class PartitionSection(_Component):
 
 
 class ModelSection(_Component):
-    name: str = "cnn"  # fedhet list models
+    # unset: a model that fits the dataset's input (cnn for images, mlp for digits and synthetic, lstm for
+    # shakespeare; models/fit.py), recorded in the run's config.json; fedhet list models shows which fit which
+    name: str = "cnn"
 
 
 class AlgorithmSection(_Component):
@@ -255,7 +257,7 @@ class TrackingSection(_Strict):
     tensorboard: bool = False  # event files in <run folder>/tensorboard (fedhet[trackers])
     mlflow: bool = False  # a run in the MLflow store at mlflow_uri (fedhet[trackers])
     wandb: bool = False  # a Weights & Biases run in <wandb_dir>/wandb (fedhet[trackers])
-    mlflow_uri: str | None = None  # default: the local file store <run.out_dir>/mlruns
+    mlflow_uri: str | None = None  # default: sqlite:///<run.out_dir>/mlflow.db, artifacts in <run.out_dir>/mlartifacts
     experiment: str = Field("fedhet", min_length=1)  # MLflow experiment and W&B project
     wandb_dir: str | None = None  # default: <run.out_dir>
     wandb_mode: Literal["offline", "online"] = "offline"  # offline writes a folder that `wandb sync` uploads later
@@ -290,6 +292,26 @@ class Config(_Strict):
     server: ServerSection = ServerSection()
     tracking: TrackingSection = TrackingSection()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _model_fits_the_data(cls, data: Any) -> Any:
+        # model.name unset: the model that fits the dataset (models/fit.py); an explicit one always wins
+        if not isinstance(data, dict):
+            return data
+        dataset, model = data.get("dataset"), data.get("model")
+        name = dataset.get("name", "fmnist") if isinstance(dataset, dict) else getattr(dataset, "name", "fmnist")
+        if not isinstance(name, str):
+            return data  # refused with the dataset section's own message
+        from fedhet.models.fit import default_model
+
+        if model is None:
+            return {**data, "model": {"name": default_model(name)}}
+        if isinstance(model, dict) and "name" not in model:
+            return {**data, "model": {"name": default_model(name), **model}}
+        if isinstance(model, ModelSection) and "name" not in model.model_fields_set:
+            return {**data, "model": {"name": default_model(name), **model.params()}}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> Config:
         n = self.partition.num_clients
@@ -309,6 +331,11 @@ class Config(_Strict):
             raise ValueError(
                 f"train.clients_per_round={self.train.clients_per_round} exceeds partition.num_clients={n}"
             )
+        from fedhet.models.fit import misfit
+
+        wrong = misfit(self.model.name, self.model.params(), self.dataset.name, self.dataset.params())
+        if wrong:
+            raise ValueError(wrong)
         return self
 
     @model_validator(mode="after")
