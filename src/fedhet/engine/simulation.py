@@ -94,7 +94,7 @@ class Simulation:
         model or server state turned non-finite, ``run.max_empty_rounds`` rounds in a row had no client left, or
         every round so far was empty; ``DiskFull`` (a ``RunFailed``) when a file of the run cannot be written."""
         try:
-            done = self.prepare(resume, overwrite)
+            done = self.prepare_dir(resume, overwrite)
             self.trackers.start(self.resolved, resumed_at=done)
             try:
                 return self.train(done, stop_after)
@@ -209,7 +209,7 @@ class Simulation:
         raise type(err)(message) from None
 
     # ------------------------------------------------------------------ the run folder and checkpoints
-    def prepare(self, resume: bool, overwrite: bool) -> int:
+    def prepare_dir(self, resume: bool, overwrite: bool) -> int:
         """Set up the run folder (fresh, replaced or resumed); returns the last finished round (0 for a fresh run)."""
 
         def load(state: dict[str, Any]) -> None:
