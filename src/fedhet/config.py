@@ -439,7 +439,7 @@ def _resolved_and_defaults(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]
         from fedhet import plugins
 
         plugins.load(cfg.run.plugins)
-        for section, registry in _component_registries():
+        for section, registry in component_registries():
             comp = getattr(cfg, section)
             entry, parsed = registry.parse(comp.name, comp.params())
             if parsed is not None:
@@ -746,8 +746,8 @@ def config_rows() -> list[tuple[str, str, str, str]]:
     return rows
 
 
-def _component_registries() -> tuple[tuple[str, Any], ...]:
-    """The config sections that name a registered component, with their registries (as the engine reads them)."""
+def component_registries() -> tuple[tuple[str, Any], ...]:
+    """The config sections that name a registered component, with their registries (the engine reads them here)."""
     from fedhet.algorithms import ALGORITHMS, SERVER_OPTIMIZERS
     from fedhet.data.datasets import DATASETS
     from fedhet.data.partition import PARTITIONERS
@@ -766,7 +766,7 @@ def component_rows() -> list[tuple[str, str, list[tuple[str, str, str, str]]]]:
     """(section, component name, rows) of every registered component's own parameters (``algorithm.mu`` when
     ``algorithm.name = "fedprox"``), plug-ins loaded in this process included."""
     out = []
-    for section, registry in _component_registries():
+    for section, registry in component_registries():
         for entry in registry.entries():
             if entry.params is not None and entry.params.model_fields:
                 out.append((section, entry.name, _model_rows(f"{section}.", entry.params)))

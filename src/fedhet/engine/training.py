@@ -12,33 +12,17 @@ import torch
 from pydantic import ValidationError
 
 from fedhet import plugins
-from fedhet.algorithms import ALGORITHMS, SERVER_OPTIMIZERS, Algorithm, Setup, build_server_optimizer
+from fedhet.algorithms import ALGORITHMS, Algorithm, Setup, build_server_optimizer
 from fedhet.algorithms.base import AlgoConfig
 from fedhet.algorithms.gne import GNE
-from fedhet.config import Config
+from fedhet.config import Config, component_registries
 from fedhet.data.augment import build_augment
 from fedhet.data.federated import FederatedDataset, federate
 from fedhet.engine.client import ClientRunner
 from fedhet.engine.rundir import usable_cores
 from fedhet.errors import ConfigError
-from fedhet.registry import Registry
 from fedhet.toolkit.flat import FlatModel
 from fedhet.toolkit.local import derive_seed
-
-
-def component_registries() -> tuple[tuple[str, Registry], ...]:
-    """The config sections that name a registered component, with their registries."""
-    from fedhet.data.datasets import DATASETS
-    from fedhet.data.partition import PARTITIONERS
-    from fedhet.models import MODELS
-
-    return (
-        ("dataset", DATASETS),
-        ("partition", PARTITIONERS),
-        ("model", MODELS),
-        ("algorithm", ALGORITHMS),
-        ("server", SERVER_OPTIMIZERS),
-    )
 
 
 def resolve_config(cfg: Config) -> dict[str, Any]:
