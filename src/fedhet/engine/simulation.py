@@ -24,7 +24,7 @@ from fedhet.engine.display import RunDisplay
 from fedhet.engine.evaluation import Evaluator
 from fedhet.engine.executors import build_executor, executor_kind
 from fedhet.engine.health import RunHealth, nonfinite
-from fedhet.engine.rundir import environment
+from fedhet.engine.rundir import environment, usable_cores
 from fedhet.engine.runfolder import DISK_FULL, RunFolder, rounding_changes
 from fedhet.engine.sampling import ClientSampler
 from fedhet.engine.state import build_state_store
@@ -36,7 +36,6 @@ from fedhet.engine.training import (  # noqa: F401  (the names below were this m
     build_training,
     config_changes,
     resolve_config,
-    resolve_workers,
     share_data,
     training_federation,
 )
@@ -290,3 +289,20 @@ class Simulation:
 
     def personal_sample(self, rnd: int, seen: list[int]) -> list[int]:
         return self.evaluator.personal_sample(rnd, seen)
+
+
+# Below this many cores, auto keeps clients in this process: on 2 cores, torch's two intra-op threads trained the
+# benchmark's CNN as fast as two worker processes and the demo's MLP faster (docs/performance.md).
+AUTO_WORKERS_MIN_CORES = 4
+
+
+def resolve_workers(cfg: Config) -> int:
+    """``run.workers``, with 0 (auto) decided here: one worker per core (at most one per client of a round) on a CPU
+    with at least ``AUTO_WORKERS_MIN_CORES`` cores, where intra-op threading no longer scales with the small batches
+    of FL clients; else, and on a GPU, clients train in this process."""
+    if cfg.run.workers:
+        return cfg.run.workers
+    cores, per_round = usable_cores(), cfg.clients_per_round()
+    if torch.device(cfg.run.device).type != "cpu" or cores < AUTO_WORKERS_MIN_CORES or per_round < 2:
+        return 1
+    return min(cores, per_round)

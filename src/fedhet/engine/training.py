@@ -19,7 +19,6 @@ from fedhet.config import Config, component_registries
 from fedhet.data.augment import build_augment
 from fedhet.data.federated import FederatedDataset, federate
 from fedhet.engine.client import ClientRunner
-from fedhet.engine.rundir import usable_cores
 from fedhet.errors import ConfigError
 from fedhet.toolkit.flat import FlatModel
 from fedhet.toolkit.local import derive_seed
@@ -211,23 +210,6 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
         algo, flat, cfg.train, augment, cfg.run.seed, cfg.run.eval_local_models, cfg.run.eval_batch_size
     )
     return Training(model, flat, setup, algo, runner)
-
-
-# Below this many cores, auto keeps clients in this process: on 2 cores, torch's two intra-op threads trained the
-# benchmark's CNN as fast as two worker processes and the demo's MLP faster (docs/performance.md).
-AUTO_WORKERS_MIN_CORES = 4
-
-
-def resolve_workers(cfg: Config) -> int:
-    """``run.workers``, with 0 (auto) decided here: one worker per core (at most one per client of a round) on a CPU
-    with at least ``AUTO_WORKERS_MIN_CORES`` cores, where intra-op threading no longer scales with the small batches
-    of FL clients; else, and on a GPU, clients train in this process."""
-    if cfg.run.workers:
-        return cfg.run.workers
-    cores, per_round = usable_cores(), cfg.clients_per_round()
-    if torch.device(cfg.run.device).type != "cpu" or cores < AUTO_WORKERS_MIN_CORES or per_round < 2:
-        return 1
-    return min(cores, per_round)
 
 
 def training_federation(cfg: Config, fed: FederatedDataset, in_process: bool) -> FederatedDataset:

@@ -119,7 +119,7 @@ def _worker(conn: Connection) -> None:
 
 def _setup(cfg_raw: dict[str, Any], fed, shared: SharedClients) -> tuple[ClientRunner, list[ClientData]]:
     from fedhet.config import build_config
-    from fedhet.engine.simulation import build_training
+    from fedhet.engine.training import build_training
 
     clients = shared.unpack()
     return build_training(build_config(cfg_raw), dataclasses.replace(fed, clients=clients)).runner, clients
