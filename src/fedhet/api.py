@@ -230,7 +230,7 @@ def compare(
     seeds: Sequence[int] | str | None = None,
     grid: Mapping[str, Sequence[Any]] | Sequence[str] | None = None,
     partitions: str | None = None,
-    jobs: int = 1,
+    jobs: int | str = 1,
     threads: int | None = None,
     overwrite: bool = False,
     dry_run: bool = False,
@@ -244,10 +244,18 @@ def compare(
 
     ``variants``: ``["fedavg", "fedprox", "fedavg+fedadam"]`` (ALGORITHM[+SERVER_OPTIMISER]); ``seeds``: ``[0, 1]``;
     ``grid``: ``{"partition.alpha": [0.1, 0.5]}``. Unset, they come from the config's ``[compare]`` table. Writes
-    comparison.md and comparison.png into ``run.out_dir``; finished cells are skipped, killed ones resumed."""
+    comparison.md and comparison.png into ``run.out_dir``; finished cells are skipped, killed ones resumed.
+
+    ``jobs``: cells run at once in worker processes (``0`` or ``"auto"``: one per usable core), as ``--jobs``. It
+    works from a script without ``if __name__ == "__main__":`` and from a notebook: workers never import
+    ``__main__``, and need only the plug-ins named in ``plugins``; a component registered in ``__main__`` is refused
+    with ``jobs`` above 1 (put it in a file and pass ``plugins=["my_method.py"]``)."""
     from rich.console import Console
 
+    from fedhet.cells import parse_jobs
     from fedhet.comparison import run_comparison
+
+    jobs = parse_jobs(jobs, "jobs")
 
     variants = _one_or_many(variants, shortcuts.pop("algorithm", None), "variants", "algorithm")
     seeds = _one_or_many(seeds, shortcuts.pop("seed", None), "seeds", "seed")

@@ -12,24 +12,25 @@ every cell's folder, without loading any data:
 ``overwrite=True`` replaces every cell's run instead.
 
 Cells run in ``jobs`` worker processes started with "spawn" (a process whose torch threads exist must not fork),
-each with ``threads`` torch threads set before any work; with one worker (or one cell to run) they run in this
-process under the same thread count. A cell's results depend on its config and thread count only, not on where
-it ran (the engine derives every random stream from the seed, round and client). A worker keeps the federated
-data of its last cell, and cells that share data are queued together, so each worker loads a data set once.
-Workers send their progress, console output (warnings) and results through one queue to a single rich display.
-A failed cell is reported and the others go on. Ctrl-C stops every worker at once: a checkpoint is complete
-whenever a process dies, so running the same cells again continues them.
+each with ``threads`` torch threads set before any work. The workers (``fedhet.engine.workers.CONTEXT``) never
+import the caller's ``__main__``, so ``fedhet.compare(jobs=2)`` works from a script without ``if __name__ ==
+"__main__":`` and from a notebook; a component registered in ``__main__`` is refused, in one line, before any
+starts. With one worker (or one cell to run) cells run in this process under the same thread count. A cell's results
+depend on its config and thread count only, not on where it ran (the engine derives every random stream from the
+seed, round and client). A worker keeps the federated data of its last cell, and cells that share data are queued
+together, so each worker loads a data set once. Workers send their progress, console output (warnings) and results
+through their pipes to a single rich display. A failed cell is reported and the others go on. Ctrl-C stops every
+worker at once (they never see SIGINT: the parent alone handles it): a checkpoint is complete whenever
+a process dies, so running the same cells again continues them. A parent killed outright takes its workers with it,
+and they remove its temporary folder.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
-import queue
 import signal
 import threading
-import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -49,9 +50,10 @@ from fedhet.errors import ConfigError, FedhetError
 Event = tuple[Any, ...]
 
 
-def parse_jobs(text: str | int) -> int:
-    """``--jobs``: a number of worker processes, or ``0`` / ``auto`` for one per usable core."""
-    value = str(text).strip().lower()
+def parse_jobs(text: str | int, option: str = "--jobs") -> int:
+    """``--jobs`` (``jobs=`` in the Python API): a number of worker processes, or ``0`` / ``auto`` for one per usable
+    core."""
+    value = "" if isinstance(text, bool) else str(text).strip().lower()
     if value in ("0", "auto"):
         return usable_cores()
     try:
@@ -60,7 +62,7 @@ def parse_jobs(text: str | int) -> int:
         jobs = -1
     if jobs < 1:
         raise ConfigError(
-            f"--jobs {text!r}: give a number of worker processes, or 0 or auto for one per usable core "
+            f"{option} {text!r}: give a number of worker processes, or 0 or auto for one per usable core "
             f"({usable_cores()} here)"
         )
     return jobs
@@ -168,7 +170,7 @@ def by_data(cells: list[Cell]) -> list[Cell]:
 def run_cells(
     cells: list[Cell],
     *,
-    jobs: int = 1,
+    jobs: int | str = 1,
     threads: int | None = None,
     overwrite: bool = False,
     console: Console | None = None,
@@ -176,11 +178,11 @@ def run_cells(
 ) -> list[CellResult]:
     """Run every cell that has not finished (see the module docstring); returns one result per cell, in order.
 
-    ``threads``: torch threads per cell (default: usable cores // jobs, at least 1). Raises ``ConfigError`` before
-    anything trains when cells share a folder or a folder holds a run of another config."""
+    ``jobs``: worker processes (0 or "auto": one per usable core). ``threads``: torch threads per cell (default:
+    usable cores // jobs, at least 1). Raises ``ConfigError`` before anything trains when cells share a folder, a
+    folder holds a run of another config, or cells to run in workers use a component registered in ``__main__``."""
     console = console or Console(stderr=True)
-    if jobs < 1:
-        raise ConfigError(f"jobs must be at least 1, got {jobs}")
+    jobs = parse_jobs(jobs, "jobs")
     folders: dict[Path, str] = {}
     for c in cells:
         other = folders.setdefault(c.run_dir.resolve(), c.name)
@@ -195,6 +197,10 @@ def run_cells(
         if states[c.name].action == "skip"
     }
     todo = by_data([c for c in cells if c.name not in skipped])
+    if min(jobs, len(todo)) > 1:
+        from fedhet.engine.workers import check_workers_can_build
+
+        check_workers_can_build([c.config for c in todo], "run with jobs=1")
     with _Display(console, total=len(cells), done=len(skipped), enabled=progress) as display:
         if skipped:
             names = ", ".join(list(skipped)[:6]) + (", ..." if len(skipped) > 6 else "")
@@ -310,116 +316,131 @@ def _run_here(todo: list[Cell], threads: int, overwrite: bool, display: _Display
 # ---------------------------------------------------------------------------------------------- workers
 
 
-def _worker(tasks: Any, events: Any, threads: int) -> None:
-    """A worker process: run cells from ``tasks`` until None; everything it has to say goes to ``events``."""
-    # Ctrl-C in a terminal reaches the whole process group: the parent alone decides, and stops the workers.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = mp.parent_process()
-    if parent is not None:  # a parent killed outright (SIGKILL, SIGTERM) takes its workers with it
-        threading.Thread(target=_exit_with, args=(parent.sentinel,), daemon=True).start()
-    import torch
+def _worker(conn: Any, threads: int) -> None:
+    """A worker process: run the cells the parent sends through ``conn`` until None; everything it has to say (progress,
+    console output, results) goes back through ``conn``."""
+    from fedhet.engine.workers import orphaned, parent_gone, worker_started
 
-    torch.set_num_threads(threads)
-    data = _DataCache()
-    for name, raw, overwrite in iter(tasks.get, None):
-        # cells are the parallel unit here: their clients train in this process (it may not start processes of its
-        # own), with one thread per client as worker processes would, so the bits are the same either way
-        raw = {**raw, "run": {**raw["run"], "workers": 1}}
-        events.put(("result", _run_cell(name, raw, overwrite, data, events.put)))
+    # Ctrl-C in a terminal reaches the whole process group: the parent alone decides, and stops the workers; a parent
+    # killed outright (SIGKILL, SIGTERM) takes its workers with it
+    worker_started()
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        data = _DataCache()
+        lock = threading.Lock()  # a warning printed from another thread must not interleave with a round's event
+
+        def send(event: Event) -> None:
+            with lock:
+                conn.send(event)
+
+        for name, raw, overwrite in iter(conn.recv, None):
+            # cells are the parallel unit here: their clients train in this process (it may not start processes of
+            # its own), with one thread per client as worker processes would, so the bits are the same either way
+            raw = {**raw, "run": {**raw["run"], "workers": 1}}
+            send(("result", _run_cell(name, raw, overwrite, data, send)))
+    except BaseException:
+        if parent_gone():  # talking to a parent that was killed: nothing to report, no traceback
+            orphaned()
+        raise
 
 
-def _exit_with(sentinel: int) -> None:
-    from multiprocessing.connection import wait
+@dataclass
+class _Slot:
+    """A worker process, its end of the pipe, and the cell it runs (None while it waits for one)."""
 
-    wait([sentinel])
-    os._exit(1)  # like a kill: the checkpoints on disk are complete at every instant
+    proc: Any
+    conn: Any
+    cell: str | None = None
+    waiting: bool = True  # it has no cell and was not told to end
 
 
 def _run_in_workers(
     todo: list[Cell], workers: int, threads: int, overwrite: bool, display: _Display
 ) -> list[CellResult]:
-    ctx = mp.get_context("spawn")
-    tasks, events = ctx.Queue(), ctx.Queue()
-    for cell in todo:
-        tasks.put((cell.name, cell.config.to_dict(), overwrite))
-    for _ in range(workers):
-        tasks.put(None)  # one stop sign per worker; a replacement worker takes the one its dead predecessor left
+    """Each worker gets one cell at a time through its own pipe, the next when it reports a result; a worker that
+    dies fails its cell only, and a new one takes the cells still to run. Pipes, not queues: no named semaphore to
+    leak when this process is killed."""
+    from multiprocessing.connection import wait
 
-    def start() -> Any:
-        proc = ctx.Process(target=_worker, args=(tasks, events, threads), name="fedhet-cell", daemon=True)
-        proc.start()
-        return proc
+    from fedhet.engine.workers import CONTEXT
 
-    cells = {c.name: c for c in todo}
-    running: dict[int, str] = {}  # worker pid -> the cell it started last
-    started: set[str] = set()
+    pending = list(todo)  # in order: cells that share data follow each other, so a worker loads each data set once
     results: dict[str, CellResult] = {}
+    slots: list[_Slot] = []
 
-    def handle(event: Event) -> None:
-        if event[0] == "start":
-            running[event[2]] = event[1]
-            started.add(event[1])
-        elif event[0] == "result":
+    def start() -> _Slot:
+        mine, theirs = CONTEXT.Pipe()
+        proc = CONTEXT.Process(target=_worker, args=(theirs, threads), name="fedhet-cell", daemon=True)
+        proc.start()
+        theirs.close()
+        return _Slot(proc, mine)
+
+    def give(slot: _Slot) -> None:
+        """The next cell, or None: the worker ends."""
+        cell = pending.pop(0) if pending else None
+        slot.cell, slot.waiting = (None if cell is None else cell.name), False
+        with suppress(OSError):  # it died: its sentinel says so
+            slot.conn.send(None if cell is None else (cell.name, cell.config.to_dict(), overwrite))
+
+    def handle(slot: _Slot, event: Event) -> None:
+        if event[0] == "result":
             results[event[1].name] = event[1]
+            slot.cell, slot.waiting = None, True
         display.handle(event)
 
-    def drain() -> None:
-        while True:
-            try:
-                handle(events.get_nowait())
-            except queue.Empty:
-                return
+    def read(slot: _Slot) -> bool:
+        """Handle what the worker sent; False once its pipe is closed (it ended or died)."""
+        try:
+            while slot.conn.poll():
+                handle(slot, slot.conn.recv())
+        except (EOFError, OSError):
+            return False
+        return True
 
-    procs: list[Any] = []
     try:
-        procs += [start() for _ in range(workers)]
-        next_check = 0.0
+        slots += [start() for _ in range(workers)]
         while len(results) < len(todo):
-            with suppress(queue.Empty):
-                handle(events.get(timeout=0.5))
-            if time.monotonic() < next_check:
-                continue
-            next_check = time.monotonic() + 0.5
-            for i, proc in enumerate(procs):
-                if proc.exitcode in (None, 0):
+            live = [s for s in slots if s.proc is not None]
+            for slot in live:
+                if slot.waiting:
+                    give(slot)
+            ready = wait([s.conn for s in live] + [s.proc.sentinel for s in live], timeout=1.0)
+            for slot in live:
+                open_ = read(slot) if slot.conn in ready else True
+                if open_ and slot.proc.sentinel not in ready:
                     continue
-                drain()  # what it sent before it died
-                name = running.pop(proc.pid, None)
-                if name is not None and name not in results:
-                    why = f"its worker process died ({_exit_reason(proc.exitcode)})"
-                    handle(("result", CellResult(name, cells[name].run_dir, "failed", error=why)))
-                procs[i] = start() if len(started) < len(todo) else _Gone()
-            if all(proc.exitcode is not None for proc in procs):  # a worker died between taking a cell and starting it
-                drain()
-                for cell in todo:
-                    if cell.name not in results:
-                        why = "not run: a worker process died before starting it"
-                        handle(("result", CellResult(cell.name, cell.run_dir, "failed", error=why)))
+                read(slot)  # what it sent before it ended
+                slot.proc.join()
+                if slot.cell is not None and slot.cell not in results:
+                    cell = next(c for c in todo if c.name == slot.cell)
+                    why = f"its worker process died ({_exit_reason(slot.proc.exitcode)})"
+                    results[cell.name] = CellResult(cell.name, cell.run_dir, "failed", error=why)
+                    display.handle(("result", results[cell.name]))
+                slot.conn.close()
+                if pending:  # a new worker takes the cells still to run
+                    fresh = start()
+                    slot.proc, slot.conn, slot.cell, slot.waiting = fresh.proc, fresh.conn, None, True
+                else:
+                    slot.proc, slot.cell, slot.waiting = None, None, False
+        for slot in slots:  # every cell has its result: the workers end
+            if slot.proc is not None:
+                if slot.waiting:
+                    give(slot)
+                slot.proc.join()
     except BaseException:  # Ctrl-C (or a bug here): stop every worker now, mid-round; their checkpoints are whole
-        tasks.cancel_join_thread()  # cells still queued: do not wait at exit to push them to dead workers
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.join(10)
-            if proc.exitcode is None:
-                proc.kill()
-                proc.join()
+        for slot in slots:
+            if slot.proc is not None:
+                slot.proc.terminate()
+        for slot in slots:
+            if slot.proc is not None:
+                slot.proc.join(10)
+                if slot.proc.exitcode is None:
+                    slot.proc.kill()
+                    slot.proc.join()
         raise
-    for proc in procs:
-        proc.join()
     return [results[c.name] for c in todo]
-
-
-class _Gone:
-    """Stands in for a dead worker that was not replaced."""
-
-    exitcode = 0
-
-    def terminate(self) -> None:
-        pass
-
-    def join(self, timeout: float | None = None) -> None:
-        pass
 
 
 def _exit_reason(code: int) -> str:

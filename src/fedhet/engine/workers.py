@@ -12,10 +12,19 @@ thread, whatever the number of workers and whichever worker trains which client.
   the client finished cleanly, exactly as ``LocalExecutor`` does, so no write is lost or doubled.
 * Failures: a client that raises is a failure record, as in-process. A worker that dies (killed, out of memory) is a
   failure of the client it was training; a new worker replaces it and the round goes on.
-* Ctrl-C: workers ignore SIGINT; the parent stops them all and re-raises, leaving the last checkpoint to resume from.
+* Ctrl-C: workers never see SIGINT (they start with it blocked and then ignore it, so a Ctrl-C while they import is
+  no traceback there); the parent stops them all and re-raises, leaving the last checkpoint to resume from. A
+  Ctrl-C while the workers are stopped at exit is one line and exit status 130.
 
 Workers are started with ``spawn`` (fork is unsafe once torch's thread pools exist) and kept for the life of the
 process, keyed by their number, so consecutive runs (a comparison's cells, the tests) pay their start-up once.
+
+``CONTEXT`` starts every fedhet worker process (these and ``fedhet compare``'s cells, fedhet/cells.py). Its processes
+never import the caller's ``__main__``: a script without ``if __name__ == "__main__":`` and a notebook work as a
+module does (a worker needs only fedhet and the plug-ins its config names), and ``check_workers_can_build`` refuses,
+before any starts, a component registered in ``__main__``, which no worker could find. They share this process's
+multiprocessing temporary folder (``/tmp/pymp-*``) and remove it when this process is killed outright (SIGKILL), so
+nothing is left behind; on any other exit this process removes it itself.
 """
 
 from __future__ import annotations
@@ -23,20 +32,170 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.context
+import multiprocessing.spawn
+import multiprocessing.util
+import os
 import shutil
 import signal
+import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
+import torch.multiprocessing  # noqa: F401  (registers torch's reductions: tensors pass through shared memory)
 
 from fedhet.algorithms.base import Message
+from fedhet.config import Config
 from fedhet.data.types import ClientData
 from fedhet.engine.client import ClientRunner, LocalExecutor, failure_record
+from fedhet.errors import ConfigError
 
-_CTX = mp.get_context("spawn")
+# ------------------------------------------------------------------ starting worker processes
+_LAUNCH = threading.Lock()
+
+
+@contextlib.contextmanager
+def _main_left_out() -> Iterator[None]:
+    """While a process is spawned: its preparation data names no ``__main__`` to re-import. multiprocessing would
+    run the caller's script again in the worker (an unguarded one would start workers there, which fails and is
+    retried forever) or look for a notebook's definitions it cannot import."""
+    real = multiprocessing.spawn.get_preparation_data
+
+    def prepare(name: str) -> dict[str, Any]:
+        data = real(name)
+        data.pop("init_main_from_name", None)
+        data.pop("init_main_from_path", None)
+        return data
+
+    multiprocessing.spawn.get_preparation_data = prepare
+    try:
+        yield
+    finally:
+        multiprocessing.spawn.get_preparation_data = real
+
+
+@contextlib.contextmanager
+def _sigint_held() -> Iterator[None]:
+    """SIGINT blocked in this thread for the instant a worker is started. The worker inherits the blocked signal, so a
+    Ctrl-C while it imports (torch takes seconds) is never delivered there, no KeyboardInterrupt traceback, until it
+    ignores SIGINT for good (``worker_started``); here, a Ctrl-C that came meanwhile is delivered once unblocked, not
+    lost. (Ignoring SIGINT here instead would lose it.)"""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: no POSIX signals to inherit
+        yield
+        return
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def _owned_temp_dir() -> str | None:
+    """This process's multiprocessing temporary folder (``/tmp/pymp-*``), created now if need be, so that the workers
+    started next share it; None when it belongs to a process above this one (which removes it)."""
+    folder = multiprocessing.util.get_temp_dir()
+    for finalizer in list(multiprocessing.util._finalizer_registry.values()):
+        ours = getattr(finalizer, "_callback", None) is multiprocessing.util._remove_temp_dir
+        if ours and folder in (getattr(finalizer, "_args", None) or ()):
+            return folder
+    return None
+
+
+class WorkerProcess(multiprocessing.context.SpawnProcess):
+    """A spawned process that needs nothing from ``__main__``, starts with SIGINT blocked, and knows the temporary
+    folder of the process that started it, to remove it if that process is killed outright."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        folder = _owned_temp_dir()  # before the process copies this one's multiprocessing settings (its temp folder)
+        super().__init__(*args, **kwargs)
+        self.parent_temp_dir = folder
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> Any:
+        with _LAUNCH:
+            if sys.platform != "win32":
+                # started first: starting it unblocks SIGINT in this thread, which would undo _sigint_held
+                from multiprocessing import resource_tracker
+
+                resource_tracker.ensure_running()
+            with _main_left_out(), _sigint_held():
+                return multiprocessing.context.SpawnProcess._Popen(process_obj)
+
+
+class WorkerContext(multiprocessing.context.SpawnContext):
+    Process = WorkerProcess
+
+
+CONTEXT = WorkerContext()
+
+
+def worker_started() -> None:
+    """The first thing a worker process does: Ctrl-C is the parent's to handle (a terminal sends it to the whole
+    process group), and a parent killed outright (SIGKILL) takes the worker with it, and its temporary folder."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # and a Ctrl-C pending since the start is dropped
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked while it started (_sigint_held)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=_exit_with, args=(parent.sentinel,), daemon=True, name="fedhet-parent").start()
+
+
+def parent_gone(timeout: float = 1.0) -> bool:
+    """Whether the parent ended, waiting up to ``timeout`` s for it: a pipe to it reads as closed a moment before its
+    end does, and it may be ending now."""
+    parent = multiprocessing.parent_process()
+    return parent is not None and bool(multiprocessing.connection.wait([parent.sentinel], timeout))
+
+
+def _exit_with(sentinel: int) -> None:
+    multiprocessing.connection.wait([sentinel])
+    orphaned()
+
+
+def orphaned() -> None:
+    """The parent is gone: remove the temporary folder it would have removed at exit, and end at once, as a kill would
+    (the checkpoints on disk are complete at every instant). fedhet's workers talk to their parent through pipes
+    only, so no named semaphore is left for multiprocessing's resource tracker to warn about."""
+    folder = getattr(multiprocessing.current_process(), "parent_temp_dir", None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+    os._exit(1)
+
+
+def main_components(cfg: Config | dict[str, Any]) -> list[str]:
+    """The components a config (or its ``to_dict()``) uses that were registered in ``__main__`` (a script or a
+    notebook), as "algorithm 'x'": a worker process never imports ``__main__``, so none of them exists there."""
+    from fedhet.config import component_registries
+
+    raw = cfg.to_dict() if isinstance(cfg, Config) else cfg
+    found = []
+    for section, registry in component_registries():
+        name = (raw.get(section) or {}).get("name")
+        if not isinstance(name, str) or name not in registry:
+            continue  # an unknown name is refused where the config is resolved
+        module = getattr(registry.get(name).obj, "__module__", None)
+        if module in ("__main__", "__mp_main__"):
+            found.append(f"{registry.kind} {name!r}")
+    return found
+
+
+def check_workers_can_build(configs: list[Config | dict[str, Any]], alternative: str) -> None:
+    """Refuse, in one line, configs whose components only ``__main__`` knows, before any worker starts."""
+    found = list(dict.fromkeys(item for cfg in configs for item in main_components(cfg)))
+    if found:
+        script = getattr(sys.modules.get("__main__"), "__file__", None)
+        where = "your script" if script and os.path.isfile(script) else "this notebook or session"
+        raise ConfigError(
+            f"{', '.join(found)} {'is' if len(found) == 1 else 'are'} defined in {where} (__main__), which worker "
+            f"processes do not import: put {'it' if len(found) == 1 else 'them'} in a .py file and pass it as a "
+            f"plug-in (plugins=['my_method.py'], or a module name), or {alternative}"
+        )
 
 
 # ------------------------------------------------------------------ data in shared memory
@@ -89,7 +248,16 @@ class SharedClients:
 
 # ------------------------------------------------------------------ the worker process
 def _worker(conn: Connection) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C stops
+    worker_started()  # the parent decides what Ctrl-C stops; a killed parent ends this worker
+    try:
+        _serve(conn)
+    except BaseException:
+        if parent_gone():  # what failed was talking to a parent that was killed: nothing to report, no traceback
+            orphaned()
+        raise
+
+
+def _serve(conn: Connection) -> None:
     torch.set_num_threads(1)
     runner: ClientRunner | None = None
     clients: list[ClientData] = []
@@ -97,11 +265,17 @@ def _worker(conn: Connection) -> None:
         try:
             task = conn.recv()
         except (EOFError, OSError):  # the parent is gone (killed): nothing to report to
+            if parent_gone():  # end as a kill would, leaving none of its files to multiprocessing's finalizers
+                orphaned()
             return
         if task is None:
             return
         if task[0] == "setup":
-            runner, clients = _setup(*task[1:])
+            try:
+                runner, clients = _setup(*task[1:])
+            except Exception as err:  # told to the parent, which raises it (as one line when a ConfigError)
+                conn.send(("setup failed", type(err).__name__, str(err)))
+                continue
             conn.send(("ready",))
             continue
         _, cid, rnd, phase_idx, phase, msg, state = task
@@ -114,6 +288,8 @@ def _worker(conn: Connection) -> None:
         try:
             conn.send(answer)
         except OSError:  # the parent is gone
+            if parent_gone():
+                orphaned()
             return
 
 
@@ -139,8 +315,8 @@ class WorkerPool:
         self.setup_msg: tuple | None = None
 
     def _start(self, i: int) -> None:
-        parent, child = _CTX.Pipe()
-        proc = _CTX.Process(target=_worker, args=(child,), daemon=True, name=f"fedhet-worker-{i}")
+        parent, child = CONTEXT.Pipe()
+        proc = CONTEXT.Process(target=_worker, args=(child,), daemon=True, name=f"fedhet-worker-{i}")
         proc.start()
         child.close()
         self.procs[i], self.conns[i] = proc, parent
@@ -148,18 +324,29 @@ class WorkerPool:
             self._setup_one(i)
 
     def _setup_one(self, i: int) -> None:
-        self.conns[i].send(self.setup_msg)
-        answer = self.conns[i].recv()
-        if answer[0] != "ready":  # pragma: no cover - _worker answers nothing else to a setup
-            raise RuntimeError(f"worker {i} failed to set up: {answer}")
+        try:
+            self.conns[i].send(self.setup_msg)
+            answer = self.conns[i].recv()
+        except (EOFError, OSError):
+            self.procs[i].join(timeout=5)
+            raise WorkerDied(
+                f"worker process {i} died while it set up ({_exit_reason(self.procs[i].exitcode)})"
+            ) from None
+        if answer[0] == "setup failed":
+            _, kind, text = answer
+            raise (ConfigError(text) if kind == "ConfigError" else WorkerDied(f"worker {i} failed to set up: {text}"))
 
     def setup(self, cfg_raw: dict[str, Any], fed, shared: SharedClients) -> None:
         self.setup_msg = ("setup", cfg_raw, fed, shared)
-        for i in range(self.size):
-            if self.procs[i] is None or not self.procs[i].is_alive():
-                self._start(i)
-            else:
-                self._setup_one(i)
+        try:
+            for i in range(self.size):
+                if self.procs[i] is None or not self.procs[i].is_alive():
+                    self._start(i)
+                else:
+                    self._setup_one(i)
+        except BaseException:  # Ctrl-C while the workers import, or one that could not set up: none is left
+            self.close(now=True)
+            raise
 
     def run(self, cids: list[int], make_task):
         """Yield ``("ok", cid, reply, state)`` or ``("failed", cid, record)`` for each client, as workers finish.
@@ -192,7 +379,7 @@ class WorkerPool:
                         task = busy.pop(i)
                         yield ("failed", task[1], self._died(i, task))
         except BaseException:
-            self.close()  # Ctrl-C or an error here: no worker is left training
+            self.close(now=True)  # Ctrl-C or an error here: no worker is left training
             raise
 
     def _died(self, i: int, task: tuple) -> dict[str, Any]:
@@ -200,7 +387,7 @@ class WorkerPool:
         proc.join(timeout=5)
         code = proc.exitcode
         self._start(i)
-        why = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        why = _exit_reason(code)
         _, cid, rnd, _, phase, _, _ = task
         return {
             "round": rnd,
@@ -210,20 +397,28 @@ class WorkerPool:
             "where": ["fedhet.engine.workers"],
         }
 
-    def close(self) -> None:
+    def close(self, now: bool = False) -> None:
+        """Stop the workers: asked to end (each finishes its client first), or, ``now``, terminated at once."""
         for i, proc in enumerate(self.procs):
             if proc is None:
                 continue
-            if proc.is_alive():
+            if proc.is_alive() and not now:
                 with contextlib.suppress(OSError, BrokenPipeError):
                     self.conns[i].send(None)
                 proc.join(timeout=2)
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
             self.procs[i] = self.conns[i] = None
         self.setup_msg = None
         _POOLS.pop(self.size, None)
+
+
+def _exit_reason(code: int | None) -> str:
+    return f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
 
 
 _POOLS: dict[int, WorkerPool] = {}
@@ -238,8 +433,25 @@ def pool(size: int) -> WorkerPool:
 
 @atexit.register
 def _close_pools() -> None:
-    for p in list(_POOLS.values()):
-        p.close()
+    """At exit, the kept workers are asked to end. A Ctrl-C meanwhile is one line and exit status 130, not Python's
+    "Exception ignored in atexit callback" and status 0: the workers are killed, multiprocessing's own exit work
+    (its temporary folder) is done, and the process ends."""
+    try:
+        for p in list(_POOLS.values()):
+            p.close()
+    except KeyboardInterrupt:
+        with contextlib.suppress(ValueError):  # a second Ctrl-C cannot cut this short (main thread only)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for p in list(_POOLS.values()):
+            p.close(now=True)
+        with contextlib.suppress(Exception):
+            multiprocessing.util._exit_function()
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        with contextlib.suppress(Exception):
+            sys.stderr.write("interrupted: while the worker processes stopped; the run's files were complete\n")
+            sys.stderr.flush()
+        os._exit(130)
 
 
 # ------------------------------------------------------------------ the executor
@@ -247,6 +459,7 @@ class ProcessExecutor(LocalExecutor):
     """``LocalExecutor`` whose phases run in ``workers`` processes (evaluation and state stay in this process)."""
 
     def __init__(self, runner: ClientRunner, fed, store, cfg_raw: dict[str, Any], workers: int) -> None:
+        check_workers_can_build([cfg_raw], "set run.workers = 1")
         self.shared = SharedClients.pack(fed.clients)
         fed.clients[:] = self.shared.unpack()  # this process's clients become views of the shared copy too
         super().__init__(runner, fed.clients, store)

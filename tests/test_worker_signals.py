@@ -1,0 +1,180 @@
+"""Worker processes (``run.workers``, ``compare --jobs``) under Ctrl-C and kill -9: one line, exit status 130, and
+nothing left outside the run folder (multiprocessing's ``/tmp/pymp-*`` folder included), whenever it comes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,  # each test starts fedhet and two workers (torch imports): 10-30 s on a shared 2-core machine
+    pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the worker processes in /proc"),
+]
+
+COMMON = ["-d", "digits", "-m", "mlp", "-n", "4", "-r", "100000", "-s", "run.progress=false", "--threads", "1"]
+COMMANDS = {
+    "run": ["run", *COMMON, "-s", "run.workers=2"],
+    "compare": ["compare", *COMMON, "-v", "fedavg,fedprox", "--jobs", "2"],
+}
+INTERRUPTED = {
+    "run": "interrupted: the last checkpoint is kept; continue with --resume or: fedhet resume ",
+    "compare": "interrupted: every cell keeps its last checkpoint; run the same command again to continue",
+}
+
+
+def start(argv: list[str], cwd: Path) -> subprocess.Popen:
+    """Python in its own process group (a terminal's foreground job, which Ctrl-C signals as a whole) with a temporary
+    folder of its own, so what it leaves there is seen."""
+    (cwd / "tmp").mkdir()
+    return subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=cwd,
+        env={**os.environ, "TMPDIR": str(cwd / "tmp"), "COLUMNS": "200"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        # Ctrl-C reaching it as it does a foreground job: a shell that starts the tests in the background leaves
+        # SIGINT ignored, and Python keeps an ignored SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+def workers_of(pid: int) -> list[int]:
+    """The spawned worker processes of ``pid`` (not multiprocessing's resource tracker)."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    found = []
+    for child in map(int, children):
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+        except OSError:
+            pass
+    return found
+
+
+def catches_sigint(pid: int) -> bool:
+    """Whether Python's own SIGINT handler (KeyboardInterrupt) is installed in the process: true from its start-up
+    until a worker ignores SIGINT, after its imports (torch's take seconds)."""
+    try:
+        status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    except (OSError, ValueError):
+        return False
+    bit = 1 << (signal.SIGINT - 1)
+    return bool(int(status["SigCgt"], 16) & bit) and not int(status["SigIgn"], 16) & bit
+
+
+def wait_until(proc: subprocess.Popen, ready, what: str, limit: float = 240) -> None:
+    deadline = time.monotonic() + limit
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"never {what} (exit {proc.returncode}):\n{out}\n{err[-3000:]}")
+        time.sleep(0.02)
+
+
+def finish(proc: subprocess.Popen) -> tuple[str, str]:
+    """What it printed, once it and every process that holds its output (workers, resource tracker) ended."""
+    try:
+        return proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"still running 120 s after the signal:\n{out}\n{err[-3000:]}")
+
+
+def group_gone(pgid: int, limit: float = 15) -> bool:
+    """No process of the group is left (one that just ended may be a zombie for a moment, until it is reaped)."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def checkpointed(out: Path) -> bool:
+    return any(out.glob("*/checkpoints/last.pt"))
+
+
+@pytest.mark.parametrize("when", ["workers importing", "workers training"])
+@pytest.mark.parametrize("command", ["run", "compare"])
+def test_ctrl_c_is_one_line_and_exit_130_and_leaves_nothing(tmp_path, command, when):
+    out = tmp_path / "out"
+    proc = start(["-m", "fedhet.cli", *COMMANDS[command], "-o", str(out)], tmp_path)
+    if when == "workers importing":  # a worker's Python is up and it has not yet set its own SIGINT handling
+        wait_until(proc, lambda: any(map(catches_sigint, workers_of(proc.pid))), "started a worker")
+    else:
+        wait_until(proc, lambda: checkpointed(out), "wrote a checkpoint")
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals every process of the group
+    _, err = finish(proc)
+    assert proc.returncode == 130, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(INTERRUPTED[command]), err[-3000:]
+    assert group_gone(proc.pid)
+    assert list((tmp_path / "tmp").iterdir()) == []  # nothing outside the run folder
+
+
+@pytest.mark.parametrize("command", ["run", "compare"])
+def test_kill_9_of_the_parent_ends_its_workers_and_leaves_nothing(tmp_path, command):
+    out = tmp_path / "out"
+    proc = start(["-m", "fedhet.cli", *COMMANDS[command], "-o", str(out)], tmp_path)
+    wait_until(proc, lambda: checkpointed(out) and len(workers_of(proc.pid)) == 2, "trained in two workers")
+    assert list((tmp_path / "tmp").glob("pymp-*"))  # multiprocessing's folder exists while the workers run
+    os.kill(proc.pid, signal.SIGKILL)
+    _, err = finish(proc)  # returns once the workers (and the resource tracker) ended too
+    assert proc.returncode == -signal.SIGKILL
+    assert "Traceback" not in err and "leaked" not in err, err[-3000:]
+    assert group_gone(proc.pid)
+    assert list((tmp_path / "tmp").iterdir()) == []  # the workers removed the folder their parent could not
+
+
+SHUTDOWN = """
+import os
+import signal
+
+import fedhet
+from fedhet.engine import workers
+
+real = workers.WorkerPool.close
+
+
+def close(self, now=False):
+    if not now:  # Ctrl-C while the workers stop at exit
+        os.kill(os.getpid(), signal.SIGINT)
+    real(self, now)
+
+
+workers.WorkerPool.close = close
+setting = {"dataset": {"name": "digits"}, "model": {"name": "mlp", "hidden": [16]},
+           "partition": {"num_clients": 4}, "run": {"rounds": 1, "progress": False, "workers": 2}}
+print(fedhet.run(setting, out="runs").summary["status"])
+"""
+
+
+def test_ctrl_c_while_the_workers_stop_at_exit_is_one_line_and_exit_130(tmp_path):
+    """Python would print "Exception ignored in atexit callback" with a traceback, and exit 0."""
+    proc = start(["-c", SHUTDOWN], tmp_path)
+    out, err = finish(proc)
+    assert out.strip() == "finished"
+    assert proc.returncode == 130, err[-3000:]
+    assert err.strip().splitlines() == [
+        "interrupted: while the worker processes stopped; the run's files were complete"
+    ], err[-3000:]
+    assert group_gone(proc.pid)
+    assert list((tmp_path / "tmp").iterdir()) == []
