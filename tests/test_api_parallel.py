@@ -159,3 +159,13 @@ def test_parse_jobs_names_the_option():
     assert parse_jobs(" 2 ") == 2
     with pytest.raises(ConfigError, match=r"^--jobs 'x'"):
         parse_jobs("x")
+
+
+def test_auto_workers_keep_a_component_defined_in_main_in_this_process(tiny_config, monkeypatch):
+    from fedhet.engine import simulation, workers
+
+    monkeypatch.setattr(simulation, "usable_cores", lambda: 8)
+    cfg = tiny_config(run={"workers": 0}, train={"participation": 1.0})
+    assert simulation.resolve_workers(cfg) == 6  # one per client of the round on 8 cores
+    monkeypatch.setattr(workers, "main_components", lambda cfg: ["algorithm 'mine'"])
+    assert simulation.resolve_workers(cfg) == 1

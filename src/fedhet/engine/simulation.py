@@ -299,10 +299,15 @@ AUTO_WORKERS_MIN_CORES = 4
 def resolve_workers(cfg: Config) -> int:
     """``run.workers``, with 0 (auto) decided here: one worker per core (at most one per client of a round) on a CPU
     with at least ``AUTO_WORKERS_MIN_CORES`` cores, where intra-op threading no longer scales with the small batches
-    of FL clients; else, and on a GPU, clients train in this process."""
+    of FL clients; else, and on a GPU, clients train in this process. A component defined in ``__main__`` (a script
+    or notebook) exists in this process only, so auto keeps its clients here too."""
+    from fedhet.engine.workers import main_components
+
     if cfg.run.workers:
         return cfg.run.workers
     cores, per_round = usable_cores(), cfg.clients_per_round()
     if torch.device(cfg.run.device).type != "cpu" or cores < AUTO_WORKERS_MIN_CORES or per_round < 2:
+        return 1
+    if main_components(cfg):
         return 1
     return min(cores, per_round)
