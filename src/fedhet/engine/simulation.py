@@ -197,8 +197,8 @@ class Simulation:
         """Write summary.json with status failed (if the disk still takes it) and raise the one-line error."""
         message, kept = str(err), self._saved_round
         if not isinstance(err, DiskFull):
-            message += f"; stopped, {f'the last checkpoint (round {kept}) is kept' if kept else 'no checkpoint was'}"
-            message += "" if kept else " written"
+            note = f"the last checkpoint (round {kept}) is kept" if kept else "no checkpoint was written"
+            message += f"; stopped, {note}"
         try:
             self.finish(rnd - 1, status="failed", error=message)
         except OSError as again:
