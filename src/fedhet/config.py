@@ -402,21 +402,21 @@ class Config(_Strict):
 
 # hex characters of the settings hash in a derived run name (32 bits: a collision needs ~65k configs in one folder)
 NAME_HASH_CHARS = 8
-# settings left out of the name's hash: those a resume may change (simulation.RESUMABLE_CHANGES), where the run and
-# its plug-ins are, and the trackers; the name itself
-NAME_IGNORES = (
-    "run.name",
-    "run.out_dir",
-    "run.plugins",
+# What a resumed run may change: how far it goes and how it reports, never what the rounds so far computed.
+# run.executor and run.workers change only float rounding (a resume under another thread count or executor warns that
+# the run is then not bit-exact).
+RESUMABLE_CHANGES = (
     "run.rounds",
     "run.progress",
     "run.checkpoint_every",
     "run.max_empty_rounds",
     "run.workers",
     "run.executor",
-    "run.client_metrics",
-    "run.eval_batch_size",
+    "run.client_metrics",  # whether client_metrics.jsonl is written: a copy of what the clients reported
 )
+# settings left out of the name's hash: those a resume may change, where the run and its plug-ins are, the
+# evaluation batch size, the trackers; the name itself
+NAME_IGNORES = ("run.name", "run.out_dir", "run.plugins", *RESUMABLE_CHANGES, "run.eval_batch_size")
 NAME_IGNORED_SECTIONS = ("tracking.",)
 
 

@@ -15,7 +15,7 @@ from fedhet import plugins
 from fedhet.algorithms import ALGORITHMS, Algorithm, Setup, build_server_optimizer
 from fedhet.algorithms.base import AlgoConfig
 from fedhet.algorithms.gne import GNE
-from fedhet.config import Config, component_registries
+from fedhet.config import RESUMABLE_CHANGES, Config, component_registries
 from fedhet.data.augment import build_augment
 from fedhet.data.federated import FederatedDataset, federate
 from fedhet.engine.client import ClientRunner
@@ -110,18 +110,6 @@ def build_algorithm(cfg: Config, setup: Setup) -> Algorithm:
     return algo
 
 
-# What a resumed run may change: how far it goes and how it reports, never what the rounds so far computed.
-# run.executor and run.workers change only float rounding (a resume under another thread count or executor warns that
-# the run is then not bit-exact).
-RESUMABLE_CHANGES = (
-    "run.rounds",
-    "run.progress",
-    "run.checkpoint_every",
-    "run.max_empty_rounds",
-    "run.workers",
-    "run.executor",
-    "run.client_metrics",  # whether client_metrics.jsonl is written: a copy of what the clients reported
-)
 # Trackers get copies of what the run folder gets; switching one on or off never changes the numbers. Runs saved
 # before [tracking] existed lack these keys: they count as unchanged too.
 RESUMABLE_SECTIONS = ("tracking.",)
