@@ -54,6 +54,9 @@ class RunSection(_Strict):
     # how a phase's clients train: one after another, or several as one batched computation (engine/batched.py;
     # same results to float rounding); "auto" batches only where docs/performance.md measured it to pay off
     executor: Literal["auto", "sequential", "batched"] = "auto"
+    # clients trained together by the batched executor; 0 = auto: on a GPU as many as the free device memory holds
+    # (engine/batched.py, group_size), elsewhere 32. Changes only float rounding, like run.executor
+    max_group: int = Field(0, ge=0)
     # FedACD's Tables 3 and 9 for any algorithm: each participant's local model (as local training left it) is
     # evaluated on the test set (local_risk: its error averaged over every client's label distribution, Eq. 3) and
     # on its own training data (local_kl: KL(P^m || Q), App. A.2); one extra pass of each per participant per round
@@ -157,6 +160,9 @@ class TrainSection(_Strict):
     weight_decay: float = Field(0.0, ge=0.0)  # client L2 weight decay
     grad_clip: float | None = Field(None, gt=0.0)  # max global gradient norm
     augment: Literal["none", "crop_flip", "crop_flip_rotate", "crop"] = "none"  # client-side image augmentation
+    # the local forward pass and loss in float32, or under bfloat16 autocast (weights, gradients and the update stay
+    # float32); both executors. Changes the numbers, so a resume cannot change it
+    precision: Literal["fp32", "bf16"] = "fp32"
     # how a round's clients are chosen: "uniform" at random; "dynamic" is FedUFO's dynamic sampling (Sec. 3.3.2):
     # a sampling_worst share of them are the clients the current global model serves worst, the rest at random
     sampling: Literal["uniform", "dynamic"] = "uniform"
@@ -412,6 +418,7 @@ RESUMABLE_CHANGES = (
     "run.max_empty_rounds",
     "run.workers",
     "run.executor",
+    "run.max_group",
     "run.client_metrics",  # whether client_metrics.jsonl is written: a copy of what the clients reported
 )
 # settings left out of the name's hash: those a resume may change, where the run and its plug-ins are, the

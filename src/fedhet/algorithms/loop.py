@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fedhet.toolkit.local import FlatSGD, batch_indices, clip_grad_norm, num_local_steps
+import torch
+
+from fedhet.toolkit.local import FlatSGD, batch_indices, clip_grad_norm, num_local_steps, precision_context
 
 if TYPE_CHECKING:
     from fedhet.algorithms.contract import ClientContext, Reply
@@ -27,19 +29,24 @@ def train_locally(algo: Any, ctx: ClientContext) -> Reply:
     opt = FlatSGD(ctx.flat, ctx.lr, t.momentum, t.weight_decay, t.nesterov)
     ctx.scratch["optimizer"] = opt
     total = num_local_steps(len(ctx.data), t.batch_size, t.local_epochs, t.local_steps)
-    for idx in batch_indices(len(ctx.data), t.batch_size, total, ctx.generator):
+    losses = []  # read once after the last step: a GPU step never waits for the host
+    device = ctx.flat.params.device
+    for idx in batch_indices(len(ctx.data), t.batch_size, total, ctx.generator, ctx.data.x.device):
         ctx.batch = idx
         x, y = ctx.data.x[idx], ctx.data.y[idx]
         if ctx.augment is not None:
             x = ctx.augment(x, ctx.generator)
         ctx.flat.zero_grad()
-        loss = algo.local_loss(ctx, x, y)
+        with precision_context(t.precision, device):
+            loss = algo.local_loss(ctx, x, y)
         loss.backward()
         algo.after_backward(ctx)
         if t.grad_clip is not None:
             clip_grad_norm(ctx.flat.grad, t.grad_clip)
         opt.step()
         ctx.steps += 1
-        ctx.loss_sum += float(loss.detach())
+        losses.append(loss.detach().float())
         algo.after_step(ctx)
+    for value in torch.stack(losses).tolist() if losses else []:  # the same float sum as one float() per step
+        ctx.loss_sum += value
     return algo.after_local(ctx)

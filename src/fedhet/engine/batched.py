@@ -28,8 +28,16 @@ can later flip which input a gradient flows to, exactly as a one-ulp change of t
 so long runs of conv nets agree statistically, not digit for digit. A batched run is deterministic (for the same
 clients of a round and the same ``max_group``) and resumes bit for bit.
 
-Clients are trained in groups of at most ``max_group`` (32), formed in order of step count, which bounds memory
-(K x P parameters, gradients and momentum, and K times the activations of one step).
+Clients are trained in groups of at most ``run.max_group``, formed in order of step count, which bounds memory
+(K x P parameters, gradients and momentum, and K times the activations of one step). ``run.max_group = 0`` (auto)
+means 32 on a CPU and, on a GPU, as many clients as ``MEMORY_SHARE`` of the free device memory holds at the model's
+per-client footprint (``client_footprint``: the rows, the batch, and one client's forward/backward measured once);
+the size is fixed at the run's first batched phase.
+
+On a GPU nothing in a local step waits for the host: the data is on the device from the start (``federate``), each
+pass's permutation is drawn on the client's CPU generator and moved in one piece, clipping decides on the device and
+the losses are read once after the last step. ``train.precision = "bf16"`` runs the forward/backward under bfloat16
+autocast, as the sequential loop does its forward.
 
 What it supports, checked before every phase (otherwise the phase runs sequentially, same results):
 
@@ -56,7 +64,8 @@ from fedhet.engine.checkpoint import StateFileError
 from fedhet.engine.client import ClientRunner, LocalExecutor, check_finite, failure_record
 from fedhet.engine.state import MemoryStateStore
 from fedhet.toolkit.flat import FlatModel, FlatVectors
-from fedhet.toolkit.local import batch_indices, num_local_steps
+from fedhet.engine.memory import available_memory
+from fedhet.toolkit.local import batch_indices, num_local_steps, precision_context
 
 if TYPE_CHECKING:
     from fedhet.config import Config
@@ -145,14 +154,14 @@ class BatchedExecutor:
         runner: ClientRunner,
         clients: list[ClientData],
         store: MemoryStateStore | None = None,
-        max_group: int = 32,
+        max_group: int = 0,
         vmap_from: int = 3,
     ) -> None:
         self.sequential = LocalExecutor(runner, clients, store)
         self.runner = runner
         self.clients = clients
         self.store = self.sequential.store
-        self.max_group = max_group
+        self.max_group = max_group  # 0: chosen from memory at the first batched phase (group_size)
         self.vmap_from = vmap_from
         self._layout = [(name, p.shape, p.numel()) for name, p in runner.model.named_parameters() if p.requires_grad]
         self._grad_fn = vmap(grad_and_value(self._client_loss))
@@ -176,6 +185,8 @@ class BatchedExecutor:
         ordered = sorted(msgs, key=lambda cid: (-steps[cid], cid))
         replies: dict[int, Reply] = {}
         failures: list[dict[str, Any]] = []
+        if not self.max_group:
+            self.max_group = self.auto_group()
         for start in range(0, len(ordered), self.max_group):
             group = set(ordered[start : start + self.max_group])
             group_msgs = {cid: msg for cid, msg in msgs.items() if cid in group}
@@ -194,6 +205,16 @@ class BatchedExecutor:
         position = {cid: i for i, cid in enumerate(msgs)}
         failures.sort(key=lambda rec: position[rec["client"]])  # the sequential executor's order
         return replies, failures
+
+    def auto_group(self) -> int:
+        """``run.max_group = 0``: ``CPU_GROUP`` off a GPU; on one, what its free memory holds (``group_size``)."""
+        flat = self.runner.flat
+        device = flat.params.device
+        room = available_memory(device) if device.type == "cuda" else None
+        if room is None:
+            return CPU_GROUP
+        data = next((c for c in self.clients if len(c)), self.clients[0])
+        return group_size(room[0], client_footprint(self.runner, data, self.runner.train.batch_size))
 
     def personal_accuracies(
         self, rnd: int, cids: list[int], msg: Message, batch_size: int
@@ -299,7 +320,9 @@ class BatchedExecutor:
                 ctx.flat.set_params(ctx.message.tensors["params"])
                 ctx.lr = float(ctx.message.scalars.get("lr", t.lr))
                 algo.before_local(ctx)
-                client.batches = batch_indices(len(ctx.data), t.batch_size, client.total, ctx.generator)
+                client.batches = batch_indices(
+                    len(ctx.data), t.batch_size, client.total, ctx.generator, ctx.data.x.device
+                )
             except Exception as err:
                 drop(k, err)
 
@@ -320,7 +343,8 @@ class BatchedExecutor:
                         drop(k, err)
             rows, grad_rows = params[:m], grads[:m]
             try:
-                losses = self._gradients(rows, grad_rows, batch, m)
+                with precision_context(t.precision, params.device):
+                    losses = self._gradients(rows, grad_rows, batch, m)
             except Exception as err:
                 raise _SharedFailure(str(err)) from err
             if has_after_backward:
@@ -345,7 +369,7 @@ class BatchedExecutor:
                 rows.sub_(d, alpha=lr)
             else:
                 rows.sub_(d * lr[:m])
-            step_losses.append(losses)
+            step_losses.append(losses.float())
             for k in range(m):
                 client = members[k]
                 if client.alive:
@@ -413,6 +437,48 @@ class _Batch:
             self.mask[k, b:] = 0.0
             self.count[k] = float(max(b, 1))
             self.lengths[k] = b
+
+
+# ---------------------------------------------------------------------- group size
+CPU_GROUP = 32  # clients per group off a GPU (run.max_group = 0)
+# the share of the free device memory a group may take: the rest is the allocator's slack, grouped convolutions'
+# workspaces, evaluation and the server's vectors
+MEMORY_SHARE = 0.5
+# per client and parameter, in the model's dtype: the row, its gradient, vmap's gradients before they are
+# concatenated, the momentum buffer, the step direction and one temporary (weight decay, clipping)
+ROW_COPIES = 6
+
+
+def group_size(free: int, per_client: int) -> int:
+    """Clients batched together when ``free`` bytes are free and one client needs ``per_client``: at least 1."""
+    return max(1, int(free * MEMORY_SHARE) // max(per_client, 1))
+
+
+def client_footprint(runner: ClientRunner, data: ClientData, batch_size: int) -> int:
+    """Bytes one more client of a group takes: its parameter rows, its padded batch and the activations of one
+    forward/backward, measured once on the shared model (on CUDA; estimated as 4 times the logits elsewhere)."""
+    flat = runner.flat
+    rows = ROW_COPIES * flat.num_params * flat.params.element_size()
+    x, y = data.x[:batch_size], data.y[:batch_size]
+    batch = batch_size * (x[0].numel() * x.element_size() + 8)
+    return rows + batch + activation_bytes(runner, x, y)
+
+
+def activation_bytes(runner: ClientRunner, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Peak memory of one forward/backward of the shared model on ``x`` beyond what was allocated before it; it
+    writes the gradient into ``flat.grad`` (which every step overwrites) and draws no random number."""
+    device, model = x.device, runner.model
+    if device.type != "cuda":
+        with torch.no_grad():
+            return 4 * model(x).numel() * x.element_size()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    with precision_context(runner.train.precision, device):
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    runner.flat.zero_grad()
+    return max(0, torch.cuda.max_memory_allocated(device) - before)
 
 
 # ---------------------------------------------------------------------- choosing the executor

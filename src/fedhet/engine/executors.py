@@ -24,7 +24,7 @@ def build_executor(
     if cfg.run.executor == "batched" and kind != "batched":
         warn(f"{why}; its clients train one after another")
     if kind == "batched" and (cfg.run.executor == "batched" or workers == 1):
-        return BatchedExecutor(runner, fed.clients, store), 1
+        return BatchedExecutor(runner, fed.clients, store, cfg.run.max_group), 1
     short = None if workers == 1 else shared_memory_short(fed.clients)
     if short:
         warn(f"run.workers={workers} needs the data in shared memory, but {short}: clients train here")
