@@ -28,9 +28,10 @@ from flwr.serverapp import Grid, ServerApp
 from rich.console import Console
 
 from fedhet.config import Config, load_config
-from fedhet.errors import FedhetError
+from fedhet.errors import ConfigError, FedhetError
 from fedhet.flower.client import make_client_app
-from fedhet.flower.server import Exchange, FlowerExecutor, discover, server_federation
+from fedhet.flower.secagg import SECAGG, SecAggSettings, SecureAggregation, refusal
+from fedhet.flower.server import Exchange, FlowerExecutor, Nodes, discover, server_federation
 
 # Flower run config keys of a fedhet app, with their defaults (Flower only accepts overrides of declared keys).
 RUN_CONFIG: dict[str, Any] = {
@@ -41,6 +42,13 @@ RUN_CONFIG: dict[str, Any] = {
     "accept-state-loss": False,  # go on when client-held state is lost (no node state folder), with a notice
     "round-timeout": 0.0,  # seconds a phase waits for replies before dropping the missing clients; 0: no limit
     "node-wait": 600.0,  # seconds to wait until every client is held by a connected SuperNode
+    # "secaggplus": the server learns only the weighted sum of the client models (fedhet.flower.secagg); its
+    # parameters are those of Flower's SecAggPlusWorkflow (a count above 1, else a fraction)
+    "secure-aggregation": "",
+    "secagg-num-shares": 1.0,
+    "secagg-reconstruction-threshold": 0.5,
+    "secagg-clipping-range": 8.0,
+    "secagg-quantization-range": 2**22,
 }
 
 
@@ -51,6 +59,7 @@ class RunOptions:
     round_timeout: float = 0.0
     node_wait: float = 600.0
     accept_state_loss: bool = False
+    secure_aggregation: SecAggSettings | None = None  # SecAgg+ over the nodes (fedhet.flower.secagg)
     # how messages tell the user to continue or replace a run folder: fedhet's flags, or Flower's run config
     flags: tuple[str, str] = ("--resume", "--overwrite")
 
@@ -63,8 +72,44 @@ class RunOptions:
             round_timeout=float(rc["round-timeout"]),
             node_wait=float(rc["node-wait"]),
             accept_state_loss=bool(rc["accept-state-loss"]),
+            secure_aggregation=secure_settings(rc),
             flags=("--run-config 'resume=true'", "--run-config 'overwrite=true'"),
         )
+
+
+def secure_settings(rc: dict[str, Any]) -> SecAggSettings | None:
+    """The run config's SecAgg+ settings; None without secure aggregation."""
+    kind = str(rc["secure-aggregation"]).strip().lower()
+    if kind in ("", "none"):
+        return None
+    if kind != SECAGG:
+        raise ConfigError(f"secure-aggregation={kind!r}: choose {SECAGG!r} or leave it empty")
+    return SecAggSettings(
+        num_shares=float(rc["secagg-num-shares"]),
+        threshold=float(rc["secagg-reconstruction-threshold"]),
+        clipping_range=float(rc["secagg-clipping-range"]),
+        quantization_range=int(rc["secagg-quantization-range"]),
+    )
+
+
+def secure_aggregation(cfg: Config, options: RunOptions, nodes: Nodes, fed) -> SecureAggregation | None:
+    """SecAgg+ for this run, or None; refuses a run whose server needs more than the weighted sum."""
+    settings = options.secure_aggregation
+    if settings is None:
+        return None
+    why = refusal(cfg, settings)
+    if why is None:
+        held = list(nodes.holder.values())
+        crowded = sorted({n for n in held if held.count(n) > 1})
+        if crowded:
+            why = f"SecAgg+'s participants are nodes: each SuperNode must hold one client (nodes {crowded} hold more)"
+    if why is not None:
+        raise ConfigError(f"secure-aggregation={SECAGG!r}: {why}")
+    largest = int(fed.train_counts.sum(axis=1).max())  # weights n_k / largest stay within SecAgg+'s max_weight
+    try:
+        return SecureAggregation(settings, max(largest, 1), timeout=options.round_timeout or None)
+    except (TypeError, ValueError) as err:  # Flower's own checks of the parameters
+        raise ConfigError(f"secure-aggregation={SECAGG!r}: {err}") from None
 
 
 def run_server(grid: Grid, cfg: Config, options: RunOptions, console: Console | None = None) -> dict[str, Any]:
@@ -72,7 +117,12 @@ def run_server(grid: Grid, cfg: Config, options: RunOptions, console: Console | 
     from fedhet.engine.simulation import Simulation, resolve_config
 
     resolve_config(cfg)  # a wrong name or value fails here, before waiting for any node
+    if options.secure_aggregation is not None:
+        why = refusal(cfg, options.secure_aggregation)
+        if why:  # before waiting for any node
+            raise ConfigError(f"secure-aggregation={SECAGG!r}: {why}")
     nodes = discover(grid, cfg.partition.num_clients, options.node_wait)
+    fed = server_federation(cfg, nodes)
     name = cfg.run.name or cfg.default_name()
     executor = FlowerExecutor(
         grid,
@@ -82,8 +132,9 @@ def run_server(grid: Grid, cfg: Config, options: RunOptions, console: Console | 
         run_name=name,
         notices=Path(cfg.run.out_dir) / name / "notices.jsonl",
         accept_state_loss=options.accept_state_loss,
+        secure=secure_aggregation(cfg, options, nodes, fed),
     )
-    sim = Simulation(cfg, fed=server_federation(cfg, nodes), console=console, executor=executor)
+    sim = Simulation(cfg, fed=fed, console=console, executor=executor)
     sim.folder.flags = dict(zip(("resume", "overwrite"), options.flags, strict=True))
     return sim.run(resume=options.resume, overwrite=options.overwrite)
 

@@ -37,7 +37,7 @@ from fedhet.data.federated import FederatedDataset
 from fedhet.data.types import ClientData
 from fedhet.engine.client import ClientRunner
 from fedhet.errors import ConfigError
-from fedhet.flower import codec
+from fedhet.flower import codec, secagg
 from fedhet.flower.data import load_client_file
 from fedhet.flower.node_state import History, NodeStateStore, node_store, state_info
 
@@ -170,6 +170,8 @@ def train(node: NodeClients, msg: FlowerMessage, store: NodeStateStore, device: 
     store.put(cid, history, rnd, phase_idx, state)  # only reached when the client finished cleanly
     content = codec.encode_reply(reply)
     content[codec.STATE_INFO] = state_info(found, state)
+    if secagg.asked(msg):  # the summand for secaggplus_mod, which then removes every array from the reply
+        secagg.attach_summand(content, reply, meta)
     return content
 
 
@@ -201,7 +203,7 @@ def make_client_app(
     A node keeps its clients' state in its ``state-dir`` node config folder; a node without one keeps it in a
     subfolder of ``state_root(cfg)`` when that is given and not None (Flower's simulation: all nodes on one
     machine), else in ``Context.state``."""
-    app = ClientApp()
+    app = ClientApp(mods=[secagg.client_mod])  # SecAgg+ when the server runs it (fedhet.flower.secagg)
 
     def handle(msg: FlowerMessage, context: Context, handler) -> FlowerMessage:
         def work() -> RecordDict:

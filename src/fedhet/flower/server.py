@@ -38,6 +38,7 @@ from fedhet.errors import FedhetError
 from fedhet.flower import codec
 from fedhet.flower.client import label_counts_from
 from fedhet.flower.node_state import Attempt, History, safe_name
+from fedhet.flower.secagg import SecureAggregation
 from fedhet.results.store import MetricsLog
 
 log = logging.getLogger("fedhet.flower")
@@ -172,6 +173,12 @@ def server_federation(cfg: Config, nodes: Nodes) -> FederatedDataset:
     )
 
 
+def content_state(content: RecordDict) -> tuple[bool, list[str]]:
+    """A training reply's note on the client's state: (found a stored one, what it keeps now)."""
+    info = content[codec.STATE_INFO]
+    return bool(info["found"]), [str(k) for k in info["keys"]]
+
+
 def failure(rnd: int, phase: str, cid: int, why: str) -> dict[str, Any]:
     """A failures.jsonl record, with the same keys as the simulation's."""
     return {"round": rnd, "phase": phase, "client": cid, "error": why, "where": ["flower"]}
@@ -196,8 +203,10 @@ class FlowerExecutor:
         run_name: str = "run",
         notices: str | Path | None = None,
         accept_state_loss: bool = False,
+        secure: SecureAggregation | None = None,
     ) -> None:
         self.grid = grid
+        self.secure = secure  # SecAgg+ (fedhet.flower.secagg): training replies carry only the secure average
         self.nodes = nodes
         self.exchange = exchange
         self.device = device
@@ -235,18 +244,23 @@ class FlowerExecutor:
     def run_phase(
         self, rnd: int, phase_idx: int, phase: str, msgs: dict[int, Message]
     ) -> tuple[dict[int, Reply], list[dict[str, Any]]]:
-        sent = self.messages("train", rnd, msgs, {"phase_idx": phase_idx, "phase": phase})
-        answers, missing = self.exchange(sent)
+        meta = {"phase_idx": phase_idx, "phase": phase, **(self.secure.meta() if self.secure else {})}
+        sent = self.messages("train", rnd, msgs, meta)
+        if self.secure is not None:
+            replies, contents, missing = self.secure.run(self.exchange, rnd, sent, self.device)
+            infos = {cid: content_state(content) for cid, content in contents.items()}
+            answers = {}
+        else:
+            answers, missing = self.exchange(sent)
+            replies, infos = {}, {}
         failures = [failure(rnd, phase, cid, why) for cid, why in missing.items()]
-        replies, infos = {}, {}
         for cid, answer in answers.items():
             if answer.has_error():
                 failures.append(failure(rnd, phase, cid, error_text(answer)))
                 continue
             try:
                 replies[cid] = codec.decode_reply(answer.content, self.device)
-                info = answer.content[codec.STATE_INFO]
-                infos[cid] = (bool(info["found"]), [str(k) for k in info["keys"]])
+                infos[cid] = content_state(answer.content)
             except Exception as err:  # a malformed reply drops that client, not the run
                 replies.pop(cid, None)
                 failures.append(failure(rnd, phase, cid, f"unreadable reply: {type(err).__name__}: {err}"))
