@@ -305,7 +305,8 @@ def test_nesterov_needs_momentum():
         (
             ["server.foo=1"],
             "unknown key 'server.foo' for server optimiser 'sgd'; valid keys in [server]: name, aggregation, "
-            "gne_solver, gne_normalize, gne_jitter, lr",
+            "gne_solver, gne_normalize, gne_jitter, trim_fraction, byzantine, multikrum_m, geomed_iters, geomed_eps, "
+            "norm_bound, lr",
         ),
         (["dataset.name=tinyimagenet", "dataset.foo=1"], "unknown key 'dataset.foo' for dataset 'tinyimagenet'"),
     ],

@@ -233,7 +233,9 @@ class ServerSection(_Component):
     # How the target model is formed before the server optimiser steps: "weights" is the algorithm's own weighted
     # average; "gne" replaces its weights by FedRANE's Nash-bargaining weights (Liao et al. 2023, algorithms/gne.py),
     # for algorithms whose server takes a weighted average of the client models.
-    aggregation: Literal["weights", "gne"] = "weights"
+    # "median", "trimmed_mean", "krum", "multikrum" and "geomed" are robust rules on the client deltas (issue 31,
+    # algorithms/robust.py): Yin et al. 2018, Blanchard et al. 2017, RFA (Pillutla et al. 2022)
+    aggregation: Literal["weights", "gne", "median", "trimmed_mean", "krum", "multikrum", "geomed"] = "weights"
     # GNE's solver of G^T G p = 1/p: "newton" (the notes' exact convex form) or "ccp" (the paper's Eqs. 15-16)
     gne_solver: Literal["newton", "ccp"] = "newton"
     # GNE's scale: "sum_to_one" (official code), "paper" (paper-literal ||G p||^2 = K; the notes' "none", renamed
@@ -241,15 +243,68 @@ class ServerSection(_Component):
     gne_normalize: Literal["sum_to_one", "paper", "match_fedavg_norm"] = "sum_to_one"
     # added to the Frobenius-normalised Gram matrix when its smallest eigenvalue is below it (notes, gotcha 3)
     gne_jitter: float = Field(1e-8, ge=0.0, lt=1.0)
+    # trimmed_mean: the share of the largest and of the smallest values dropped per coordinate (beta; ours: 0.1)
+    trim_fraction: float = Field(0.1, ge=0.0, lt=0.5)
+    # krum / multikrum: f, the Byzantine clients tolerated per round (needs clients per round > 2 f + 2)
+    byzantine: int = Field(1, ge=0)
+    multikrum_m: int | None = Field(None, ge=1)  # multikrum: the updates averaged; None: clients per round - f
+    geomed_iters: int = Field(100, ge=1)  # geomed: at most this many smoothed Weiszfeld iterations (ours)
+    geomed_eps: float = Field(1e-6, gt=0.0)  # geomed: nu, the smoothing of the distances (RFA's Algorithm 2)
+    # Sun et al. 2019: every client delta scaled to norm at most this before any aggregation rule; None: off
+    norm_bound: float | None = Field(None, gt=0.0)
 
     @model_validator(mode="after")
-    def _gne_options_need_gne(self) -> ServerSection:
-        if self.aggregation != "gne":
-            for key in ("gne_solver", "gne_normalize", "gne_jitter"):
-                if getattr(self, key) != ServerSection.model_fields[key].default:
-                    raise ValueError(
-                        f"server.{key} applies only with server.aggregation='gne' (got {self.aggregation!r})"
-                    )
+    def _options_need_their_rule(self) -> ServerSection:
+        owners = {
+            "gne_solver": ("gne",),
+            "gne_normalize": ("gne",),
+            "gne_jitter": ("gne",),
+            "trim_fraction": ("trimmed_mean",),
+            "byzantine": ("krum", "multikrum"),
+            "multikrum_m": ("multikrum",),
+            "geomed_iters": ("geomed",),
+            "geomed_eps": ("geomed",),
+        }
+        for key, rules in owners.items():
+            if self.aggregation not in rules and getattr(self, key) != ServerSection.model_fields[key].default:
+                wanted = " or ".join(repr(r) for r in rules)
+                raise ValueError(
+                    f"server.{key} applies only with server.aggregation={wanted} (got {self.aggregation!r})"
+                )
+        return self
+
+
+class AttackSection(_Strict):
+    """Attacks for evaluation (issue 31; engine/attack.py): a seeded ``fraction`` of the clients is malicious for the
+    whole run (``attack.json`` in the run folder names them). Data attacks change their training batches
+    (``label_flip``: y -> C - 1 - y; ``backdoor``: a white square in the bottom-right corner and the ``target`` label
+    on a ``poison_fraction`` of each batch), update attacks their replies, as deltas from the received model
+    (``sign_flip``: -flip_scale u; ``scale``: scale u; ``gaussian``: N(0, std^2) instead of u)."""
+
+    kind: Literal["none", "label_flip", "sign_flip", "gaussian", "scale", "backdoor"] = "none"
+    fraction: float = Field(0.1, gt=0.0, le=1.0)  # share of the clients that are malicious (rounded, at least one)
+    flip_scale: float = Field(1.0, gt=0.0)  # sign_flip: the reply's delta is -flip_scale times the honest one
+    scale: float = Field(10.0, gt=0.0)  # scale: the delta times this (boosting; ours: 10)
+    std: float = Field(1.0, gt=0.0)  # gaussian: the delta is N(0, std^2 I) (ours: 1)
+    target: int = Field(0, ge=0)  # backdoor: the label the trigger should produce
+    poison_fraction: float = Field(0.5, gt=0.0, le=1.0)  # backdoor: share of each malicious batch that is triggered
+    pattern_size: int = Field(3, ge=1)  # backdoor: side in pixels of the white square
+
+    @model_validator(mode="after")
+    def _options_need_their_kind(self) -> AttackSection:
+        owners = {
+            "fraction": ("label_flip", "sign_flip", "gaussian", "scale", "backdoor"),
+            "flip_scale": ("sign_flip",),
+            "scale": ("scale",),
+            "std": ("gaussian",),
+            "target": ("backdoor",),
+            "poison_fraction": ("backdoor",),
+            "pattern_size": ("backdoor",),
+        }
+        for key, kinds in owners.items():
+            if self.kind not in kinds and getattr(self, key) != AttackSection.model_fields[key].default:
+                wanted = " or ".join(repr(k) for k in kinds)
+                raise ValueError(f"attack.{key} applies only with attack.kind={wanted} (got {self.kind!r})")
         return self
 
 
@@ -297,6 +352,7 @@ class Config(_Strict):
     algorithm: AlgorithmSection = AlgorithmSection()
     server: ServerSection = ServerSection()
     tracking: TrackingSection = TrackingSection()
+    attack: AttackSection = AttackSection()
 
     @model_validator(mode="before")
     @classmethod

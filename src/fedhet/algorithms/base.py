@@ -36,6 +36,7 @@ from fedhet.toolkit.flat import weighted_sum  # noqa: F401  (algorithms import i
 
 if TYPE_CHECKING:
     from fedhet.algorithms.gne import GNE
+    from fedhet.algorithms.robust import RobustAggregator
     from fedhet.models.base import FedModel
 
 ALGORITHMS = Registry("algorithm", section="algorithm")
@@ -68,6 +69,8 @@ class Algorithm:
         self.global_params: torch.Tensor | None = None
         self.global_buffers: torch.Tensor | None = None
         self.gne: GNE | None = None  # server.aggregation = "gne": Nash-bargaining weights (algorithms/gne.py)
+        # a robust server.aggregation rule and/or server.norm_bound (algorithms/robust.py)
+        self.robust: RobustAggregator | None = None
 
     @classmethod
     def accepts_gne(cls) -> bool:
@@ -127,6 +130,12 @@ class Algorithm:
     def aggregate_target(self, replies: dict[int, Reply], weights: list[float]) -> torch.Tensor:
         """The weighted average of the replied models; with GNE, x + G p (``weights`` are then its fallback)."""
         params = [r.tensors["params"] for r in replies.values()]
+        if self.robust is not None:
+            return self.robust.target(self.global_params, params, weights, self.average)
+        return self.average(params, weights)
+
+    def average(self, params: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+        """The algorithm's weighted average of ``params``; with GNE, x + G p (``weights`` are then its fallback)."""
         if self.gne is None:
             return weighted_sum(params, weights)
         return self.gne.target(self.global_params, params, weights)
@@ -151,7 +160,12 @@ class Algorithm:
 
     def aggregation_metrics(self) -> dict[str, float]:
         """GNE's diagnostics of the last aggregation (logged beside ``round_metrics``); none without GNE."""
-        return {} if self.gne is None else self.gne.metrics()
+        return self.rule_metrics()
+
+    def rule_metrics(self) -> dict[str, float]:
+        """The diagnostics of GNE and of a robust rule or norm bound, for the last aggregation."""
+        out = {} if self.gne is None else self.gne.metrics()
+        return out if self.robust is None else {**out, **self.robust.metrics()}
 
     def state_dict(self) -> dict[str, Any]:
         state = {

@@ -61,6 +61,8 @@ class ClientContext:
     # indices into ``data`` of the mini-batch being trained on, set by the sequential loop before ``local_loss`` (for
     # per-sample values a hook computes once per round, e.g. FedUFO's teacher predictions); None outside the loop
     batch: torch.Tensor | None = None
+    # a malicious client's data attack on each mini-batch, (x, y) -> (x, y), applied by the loop after augmentation
+    poison: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def global_params(self) -> torch.Tensor:

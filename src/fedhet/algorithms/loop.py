@@ -36,6 +36,8 @@ def train_locally(algo: Any, ctx: ClientContext) -> Reply:
         x, y = ctx.data.x[idx], ctx.data.y[idx]
         if ctx.augment is not None:
             x = ctx.augment(x, ctx.generator)
+        if ctx.poison is not None:  # a malicious client's data attack ([attack], engine/attack.py)
+            x, y = ctx.poison(x, y)
         ctx.flat.zero_grad()
         with precision_context(t.precision, device):
             loss = algo.local_loss(ctx, x, y)

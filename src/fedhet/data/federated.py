@@ -21,6 +21,7 @@ class FederatedDataset:
     train_counts: np.ndarray  # (num_clients, num_classes) local training label counts
     test_source: str  # "official" or "local-union"
     pad_value: tuple[float, ...] | None = None  # a black pixel after normalisation, per channel (augmentation fill)
+    white_value: tuple[float, ...] | None = None  # a white pixel after normalisation (the backdoor attack's trigger)
     provenance: dict | None = None  # where the data came from (files, hash), for the run folder's provenance.json
 
     @property
@@ -55,6 +56,13 @@ def black_value(ds: ArrayDataset) -> tuple[float, ...] | None:
     if ds.task != "image" or ds.mean is None:
         return None
     return tuple(-m / s for m, s in zip(ds.mean, ds.std, strict=True))
+
+
+def white_value(ds: ArrayDataset) -> tuple[float, ...] | None:
+    """The normalised value of a white (1) pixel per channel, or None when the inputs are not normalised images."""
+    if ds.task != "image" or ds.mean is None:
+        return None
+    return tuple((1 - m) / s for m, s in zip(ds.mean, ds.std, strict=True))
 
 
 def normalise(x: np.ndarray, ds: ArrayDataset) -> np.ndarray:
@@ -140,5 +148,6 @@ def federate(
         train_counts=np.stack(counts),
         test_source=source,
         pad_value=black_value(ds),
+        white_value=white_value(ds),
         provenance=ds.provenance(),
     )

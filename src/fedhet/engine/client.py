@@ -23,6 +23,7 @@ from fedhet.algorithms.base import Algorithm, ClientContext, Message, Reply
 from fedhet.config import TrainSection
 from fedhet.data.augment import Augment
 from fedhet.data.types import ClientData
+from fedhet.engine.attack import Attack
 from fedhet.engine.checkpoint import CheckpointError, StateFileError
 from fedhet.engine.state import MemoryStateStore, State
 from fedhet.toolkit.confusion import PAPER_TAU, probability_matrix, soft_confusion, template_kl
@@ -44,6 +45,7 @@ class ClientRunner:
         run_seed: int,
         local_diagnostics: bool = False,
         eval_batch_size: int = 1024,
+        attack: Attack | None = None,
     ) -> None:
         self.algo = algo
         self.flat = flat
@@ -54,6 +56,7 @@ class ClientRunner:
         # run.eval_local_models: each reply of a round's last phase also carries the local model and its KL(P||Q)
         self.local_diagnostics = local_diagnostics
         self.eval_batch_size = eval_batch_size
+        self.attack = attack  # [attack]: what this run's malicious clients do to their batches and replies
 
     def context(
         self, cid: int, rnd: int, phase_idx: int, phase: str, msg: Message, data: ClientData, state: State
@@ -72,6 +75,7 @@ class ClientRunner:
             train=self.train,
             generator=torch.Generator().manual_seed(seed),
             augment=self.augment,
+            poison=None if self.attack is None else self.attack.poison(cid),
         )
 
     def run(
@@ -79,6 +83,8 @@ class ClientRunner:
     ) -> tuple[Reply, State]:
         ctx = self.context(cid, rnd, phase_idx, phase, msg, data, state)
         reply = self.algo.client_update(ctx)
+        if self.attack is not None and phase == self.algo.local_model_phase:
+            self.attack.corrupt(cid, rnd, phase_idx, msg, reply)
         if self.local_diagnostics and phase == self.algo.local_model_phase:
             self.diagnose(reply, data)
         check_finite(reply, ctx.state)

@@ -14,6 +14,7 @@ import torch
 from fedhet.algorithms import Algorithm, Reply
 from fedhet.config import Config
 from fedhet.data.federated import FederatedDataset
+from fedhet.engine.attack import attack_metrics
 from fedhet.engine.client import LOCAL_BUFFERS, LOCAL_PARAMS, Executor, RoundResult
 from fedhet.results.store import MetricsLog, truncate_after
 from fedhet.toolkit.evaluate import client_test_samples, evaluate, evaluate_global, local_risk
@@ -63,6 +64,7 @@ class Evaluator:
         metrics = evaluate_global(self.model, self.eval_fed, self.cfg.run.eval_batch_size, self.dist_samples())
         metrics.update(self.local_model_metrics())
         metrics.update(self.extra_model_metrics())
+        metrics.update(attack_metrics(self.cfg, self.model, self.eval_fed))  # the backdoor's success rate
         acc = metrics["test_acc"]
         self.ema = acc if self.ema is None else self.cfg.run.ema * self.ema + (1 - self.cfg.run.ema) * acc
         replies = result.replies

@@ -18,6 +18,7 @@ from rich.console import Console
 
 from fedhet.config import Config
 from fedhet.data.federated import FederatedDataset
+from fedhet.engine.attack import attack_record
 from fedhet.engine.checkpoint import LAST, write_checkpoint
 from fedhet.engine.client import Executor, RoundResult
 from fedhet.engine.display import RunDisplay
@@ -40,6 +41,7 @@ from fedhet.engine.training import (  # noqa: F401  (the names below were this m
     training_federation,
 )
 from fedhet.errors import DiskFull, RunFailed
+from fedhet.results.store import write_json_atomic
 from fedhet.results.trackers import Trackers
 
 # how the user asks to continue or replace a run folder, as messages word it (the Flower app words it its way)
@@ -181,6 +183,9 @@ class Simulation:
         counted = last + 1 if status.get("status") == "failed" else last  # a failed round counts
         warnings = self.notes + self.health.round_notes(counted, self.seen)
         extra = {"empty_rounds": self.health.empty_rounds}
+        attack = attack_record(self.cfg, self.fed.num_clients)
+        if attack is not None:
+            extra["attack"] = attack
         try:
             summary = self.folder.write_summary(last, self.wall(), extra, warnings, **status)
         except OSError as err:
@@ -215,6 +220,9 @@ class Simulation:
             self.executor.load_state_dict(state["executor"])  # refuses, changing nothing, if its state is gone
 
         loaded = self.folder.prepare(resume, overwrite, load)
+        attack = attack_record(self.cfg, self.fed.num_clients)
+        if attack is not None:  # which clients are malicious: a function of the config, rewritten on every start
+            write_json_atomic(self.run_dir / "attack.json", attack)
         now = {**environment(), "torch_threads": self.client_threads, "workers": self.workers}
         if loaded is None:
             self.executor.reset()  # a fresh run sees the client states of round 0: none, whatever a crash left

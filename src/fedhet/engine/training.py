@@ -15,9 +15,12 @@ from fedhet import plugins
 from fedhet.algorithms import ALGORITHMS, Algorithm, Setup, build_server_optimizer
 from fedhet.algorithms.base import AlgoConfig
 from fedhet.algorithms.gne import GNE
+from fedhet.algorithms.robust import RULES as ROBUST_RULES
+from fedhet.algorithms.robust import RobustAggregator
 from fedhet.config import RESUMABLE_CHANGES, Config, component_registries
 from fedhet.data.augment import build_augment
 from fedhet.data.federated import FederatedDataset, federate
+from fedhet.engine.attack import Attack
 from fedhet.engine.client import ClientRunner
 from fedhet.errors import ConfigError
 from fedhet.toolkit.flat import FlatModel
@@ -43,16 +46,28 @@ def resolve_config(cfg: Config) -> dict[str, Any]:
 
 
 def check_aggregation(cfg: Config) -> None:
-    """``server.aggregation = "gne"`` only for algorithms whose server takes a weighted average of client models."""
-    if cfg.server.aggregation != "gne":
+    """``server.aggregation`` other than "weights", and ``server.norm_bound``, only for algorithms whose server
+    takes a weighted average of client models; Krum's f must leave it neighbours among the clients of a round."""
+    server = cfg.server
+    if server.aggregation == "weights" and server.norm_bound is None:
         return
     entry = ALGORITHMS.get(cfg.algorithm.name)
+    what = "server.norm_bound" if server.aggregation == "weights" else f"server.aggregation={server.aggregation!r}"
     if not entry.obj.accepts_gne():
         able = [e.name for e in ALGORITHMS.entries() if e.obj.accepts_gne()]
         raise ConfigError(
-            f"server.aggregation='gne' replaces the weights of a weighted average of client models, which "
+            f"{what} replaces a weighted average of client models, which "
             f"{entry.name}'s server does not take; algorithms that accept it: {', '.join(able)}"
         )
+    n = cfg.clients_per_round()
+    if server.aggregation in ("krum", "multikrum") and n <= 2 * server.byzantine + 2:
+        raise ConfigError(
+            f"server.aggregation={server.aggregation!r} with server.byzantine={server.byzantine} needs more than "
+            f"2 f + 2 = {2 * server.byzantine + 2} clients per round, and the run has {n} "
+            f"(lower server.byzantine to at most {max((n - 3) // 2, 0)} or raise train.clients_per_round)"
+        )
+    if server.aggregation == "multikrum" and server.multikrum_m is not None and server.multikrum_m > n:
+        raise ConfigError(f"server.multikrum_m={server.multikrum_m} exceeds the {n} clients per round")
 
 
 def build_federation(cfg: Config) -> FederatedDataset:
@@ -107,6 +122,16 @@ def build_algorithm(cfg: Config, setup: Setup) -> Algorithm:
     server = cfg.server
     if server.aggregation == "gne":
         algo.use_gne(GNE(server.gne_solver, server.gne_normalize, server.gne_jitter))
+    if server.aggregation in ROBUST_RULES or server.norm_bound is not None:
+        algo.robust = RobustAggregator(
+            server.aggregation,
+            server.norm_bound,
+            server.trim_fraction,
+            server.byzantine,
+            server.multikrum_m,
+            server.geomed_eps,
+            server.geomed_iters,
+        )
     return algo
 
 
@@ -195,7 +220,14 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
     algo.init_server(flat.get_params(), flat.get_buffers())
     augment = build_augment(cfg.train.augment, fed.pad_value)
     runner = ClientRunner(
-        algo, flat, cfg.train, augment, cfg.run.seed, cfg.run.eval_local_models, cfg.run.eval_batch_size
+        algo,
+        flat,
+        cfg.train,
+        augment,
+        cfg.run.seed,
+        cfg.run.eval_local_models,
+        cfg.run.eval_batch_size,
+        attack=None if cfg.attack.kind == "none" else Attack(cfg.attack, fed, cfg.run.seed),
     )
     return Training(model, flat, setup, algo, runner)
 
