@@ -68,9 +68,11 @@ def test_teacher_is_the_received_model_while_the_local_model_moves():
     sent = ctx.global_params.clone()
     reply = algo.client_update(ctx)
     assert not torch.equal(reply.tensors["params"], sent)
-    teacher = ctx.scratch["ntd_global"]
-    torch.testing.assert_close(FlatModel(teacher).params, sent)
-    assert not teacher.training
+    inputs = algo.loss_inputs(ctx)  # the teacher runs at the received model's parameters, in eval mode
+    torch.testing.assert_close(inputs["global"], sent)
+    assert not algo._teacher.module.model.training
+    teacher = algo.setup.build_model().eval()
+    FlatModel(teacher).set_params(sent)
     with torch.no_grad():
         global_logits = teacher(x)
     expected = F.cross_entropy(ctx.model(x), y) + 0.3 * ntd_loss(ctx.model(x), global_logits, y, 1.5)
@@ -80,7 +82,7 @@ def test_teacher_is_the_received_model_while_the_local_model_moves():
 def test_beta_zero_is_plain_cross_entropy():
     algo, ctx, x, y = make_client(beta=0.0)
     algo.before_local(ctx)
-    assert ctx.scratch["ntd_global"] is None
+    assert algo.loss_inputs(ctx) == {}
     torch.testing.assert_close(algo.local_loss(ctx, x, y), F.cross_entropy(ctx.model(x), y))
 
 

@@ -35,6 +35,8 @@ from fedhet.registry import Registry
 from fedhet.toolkit.flat import weighted_sum  # noqa: F401  (algorithms import it from here)
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from fedhet.algorithms.gne import GNE
     from fedhet.algorithms.robust import RobustAggregator
     from fedhet.models.base import FedModel
@@ -219,7 +221,19 @@ class Algorithm:
         """Called after the received model is loaded, before the first step."""
 
     def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(ctx.model(x), y)
+        """The loss the loop differentiates: ``loss`` on the client's model. Override ``loss`` and ``loss_inputs``
+        rather than this, so the batched executor can run the same loss (algorithms/functional.py)."""
+        return self.loss(ctx.model, x, y, self.loss_inputs(ctx))
+
+    def loss_inputs(self, ctx: ClientContext) -> dict[str, torch.Tensor]:
+        """The tensors ``loss`` reads besides the model and the batch, fixed during the client's local training
+        (computed in ``before_local``, kept in ``ctx.scratch``): the batched executor reads them once per client."""
+        return {}
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The client loss of a batch, a function of the model (at the client's current parameters) and
+        ``inputs`` only: no ``ctx``, no in-place state, no data-dependent shapes, so it also runs under ``vmap``."""
+        return F.cross_entropy(model(x), y)
 
     def after_backward(self, ctx: ClientContext) -> None:
         """Called with ``ctx.flat.grad`` holding the loss gradient; add gradient terms here."""

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from pydantic import Field
+from torch import nn
 
-from fedhet.algorithms.base import ALGORITHMS, ClientContext
+from fedhet.algorithms.base import ALGORITHMS
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
 
 
@@ -30,8 +31,9 @@ def decorrelation_loss(z: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     z = z - z.mean(0, keepdim=True)
     z = z / torch.sqrt(eps + z.var(0, keepdim=True))
     corr = z.T @ z
-    off_diagonal = corr[~torch.eye(d, dtype=torch.bool, device=z.device)]
-    return off_diagonal.pow(2).mean() / n
+    # the mean over the off-diagonal entries, written without boolean indexing (which vmap cannot batch)
+    squares = corr.pow(2)
+    return (squares.sum() - squares.diagonal().sum()) / (d * (d - 1)) / n
 
 
 @ALGORITHMS.register(
@@ -42,8 +44,9 @@ def decorrelation_loss(z: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
 class FedDecorr(FedAvg):
     name = "feddecorr"
     Config = FedDecorrConfig
+    batchable = True  # batch statistics only within a client's own batch (algorithms/functional.py)
 
-    def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        embedding = ctx.model.body(x)
-        loss = F.cross_entropy(ctx.model.head(embedding), y)
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        embedding = model.body(x)
+        loss = F.cross_entropy(model.head(embedding), y)
         return loss + self.config.beta * decorrelation_loss(embedding)

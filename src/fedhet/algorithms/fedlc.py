@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from pydantic import Field
+from torch import nn
 
 from fedhet.algorithms.base import ALGORITHMS, ClientContext
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
@@ -41,9 +42,13 @@ def calibrated_cross_entropy(logits: torch.Tensor, y: torch.Tensor, shift: torch
 class FedLC(FedAvg):
     name = "fedlc"
     Config = FedLCConfig
+    batchable = True  # its loss reads one per-client tensor (algorithms/functional.py)
 
     def before_local(self, ctx: ClientContext) -> None:
         ctx.scratch["fedlc_shift"] = calibration(ctx.data.label_counts(), self.config.tau)
 
-    def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return calibrated_cross_entropy(ctx.model(x), y, ctx.scratch["fedlc_shift"])
+    def loss_inputs(self, ctx: ClientContext) -> dict[str, torch.Tensor]:
+        return {"shift": ctx.scratch["fedlc_shift"]}
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return calibrated_cross_entropy(model(x), y, inputs["shift"])

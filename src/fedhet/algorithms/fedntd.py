@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from pydantic import Field
+from torch import nn
 
 from fedhet.algorithms.base import ALGORITHMS, ClientContext, Setup
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
-from fedhet.toolkit.flat import FlatModel
+from fedhet.algorithms.functional import Frozen
 
 if TYPE_CHECKING:
     from fedhet.algorithms.server_opt import ServerOptimizer
@@ -30,9 +31,10 @@ class FedNTDConfig(FedAvgConfig):
 
 
 def not_true(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """(B, C) logits -> (B, C - 1) without each row's true-class column, other columns in order."""
-    keep = ~F.one_hot(y, logits.shape[1]).bool()
-    return logits[keep].view(len(y), -1)
+    """(B, C) logits -> (B, C - 1) without each row's true-class column, other columns in order (a gather, not a
+    boolean mask, so vmap can batch it)."""
+    columns = torch.arange(logits.shape[1] - 1, device=logits.device).expand(len(y), -1)
+    return logits.gather(1, columns + (columns >= y[:, None]))
 
 
 def ntd_loss(logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor, tau: float) -> torch.Tensor:
@@ -48,28 +50,27 @@ def ntd_loss(logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor,
 class FedNTD(FedAvg):
     name = "fedntd"
     Config = FedNTDConfig
+    batchable = True  # the teacher is the received model, an unbatched input (algorithms/functional.py)
 
     def __init__(self, config: FedNTDConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
         super().__init__(config, setup, server_opt)
-        self._global: FlatModel | None = None  # the frozen received model, built once and reloaded every round
+        self._teacher: Frozen | None = None  # the architecture, run at the received model's parameters
 
-    def frozen_global(self, ctx: ClientContext) -> FlatModel:
-        if self._global is None:
-            with torch.random.fork_rng(devices=[]):  # building must not shift the run's random stream
-                self._global = FlatModel(self.setup.build_model().eval())
-        self._global.set_params(ctx.global_params)
-        self._global.set_buffers(ctx.message.tensors.get("buffers", torch.zeros(0)))
-        return self._global
+    def loss_inputs(self, ctx: ClientContext) -> dict[str, torch.Tensor]:
+        if self.config.beta == 0:
+            return {}
+        if self._teacher is None:
+            self._teacher = Frozen(self.setup.build_model)
+        return {"global": ctx.global_params, "global_buffers": ctx.message.tensors.get("buffers", torch.zeros(0))}
 
-    def before_local(self, ctx: ClientContext) -> None:
-        ctx.scratch["ntd_global"] = self.frozen_global(ctx).model if self.config.beta > 0 else None
-
-    def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = ctx.model(x)
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = model(x)
         loss = F.cross_entropy(logits, y)
-        teacher = ctx.scratch["ntd_global"]
-        if teacher is None:
+        if "global" not in inputs:
             return loss
-        with torch.no_grad():
-            global_logits = teacher(x)
+        global_logits = self._teacher(inputs["global"], inputs["global_buffers"], _forward, x)
         return loss + self.config.beta * ntd_loss(logits, global_logits, y, self.config.tau)
+
+
+def _forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x)

@@ -40,7 +40,7 @@ from torch import nn
 
 from fedhet.algorithms.base import ALGORITHMS, ClientContext, Reply, Setup
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
-from fedhet.toolkit.flat import FlatModel
+from fedhet.algorithms.functional import Frozen
 
 if TYPE_CHECKING:
     from fedhet.algorithms.server_opt import ServerOptimizer
@@ -106,10 +106,13 @@ def moon_contrastive_loss(
 class Moon(FedAvg):
     name = "moon"
     Config = MoonConfig
+    # the previous models are per-client inputs, the global model an unbatched one (algorithms/functional.py);
+    # clients with pools of different lengths are vmapped in separate sets
+    batchable = True
 
     def __init__(self, config: MoonConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
         super().__init__(config, setup, server_opt)
-        self._frozen: list[FlatModel] = []  # global + previous models, built once and reloaded every round
+        self._frozen: Frozen | None = None  # the architecture, run at the global and previous models' parameters
 
     @classmethod
     def prepare_model(cls, config: MoonConfig, model: FedModel) -> FedModel:
@@ -124,42 +127,41 @@ class Moon(FedAvg):
     def projector(self, model: FedModel) -> nn.Module:
         return model.head.projector if self.config.classifier == "projection" else model.projector
 
-    def frozen_models(self, count: int) -> list[FlatModel]:
-        while len(self._frozen) < count:
-            # Building draws initial weights from the global RNG; fork it so that whether (and when) these models
-            # are built never changes the run's random stream, e.g. after a resume.
-            with torch.random.fork_rng(devices=[]):
-                model = self.setup.build_model()
-            self._frozen.append(FlatModel(model.eval()))
-        return self._frozen[:count]
+    def contrasted(self, model: FedModel, x: torch.Tensor) -> torch.Tensor:
+        return self.projector(model)(model.body(x))
 
     # ----------------------------------------------------------------- client side
     def before_local(self, ctx: ClientContext) -> None:
         prev = ctx.state.get("prev_params")
-        ctx.scratch["moon_models"] = []
+        ctx.scratch["moon_inputs"] = {}
         if self.config.mu == 0 or prev is None:  # first participation: no negatives, the term is zero
             return
-        nets = self.frozen_models(1 + len(prev))
-        nets[0].set_params(ctx.global_params)
-        nets[0].set_buffers(ctx.message.tensors.get("buffers", torch.zeros(0)))
-        for net, params, buffers in zip(nets[1:], prev, ctx.state["prev_buffers"], strict=True):
-            net.set_params(params)
-            net.set_buffers(buffers)
-        ctx.scratch["moon_models"] = [net.model for net in nets]
+        if self._frozen is None:
+            self._frozen = Frozen(self.setup.build_model)
+        ctx.scratch["moon_inputs"] = {
+            "global": ctx.global_params,
+            "global_buffers": ctx.message.tensors.get("buffers", torch.zeros(0)),
+            "prev": prev,
+            "prev_buffers": ctx.state["prev_buffers"],
+        }
 
-    def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        embedding = ctx.model.body(x)
-        models = ctx.scratch["moon_models"]
+    def loss_inputs(self, ctx: ClientContext) -> dict[str, torch.Tensor]:
+        return ctx.scratch["moon_inputs"]  # the pool as it was before this round's model joins it
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        embedding = model.body(x)
         if self.config.classifier == "projection":  # one pass: the classifier reads the contrasted projection
-            z = ctx.model.head.projector(embedding)
-            loss = F.cross_entropy(ctx.model.head.classifier(z), y)
+            z = model.head.projector(embedding)
+            loss = F.cross_entropy(model.head.classifier(z), y)
         else:
-            loss = F.cross_entropy(ctx.model.head(embedding), y)
-            z = ctx.model.projector(embedding) if models else None
-        if not models:
+            loss = F.cross_entropy(model.head(embedding), y)
+            z = model.projector(embedding) if inputs else None
+        if not inputs:
             return loss
-        with torch.no_grad():
-            z_global, *z_prev = [self.projector(m)(m.body(x)) for m in models]
+        z_global = self._frozen(inputs["global"], inputs["global_buffers"], self.contrasted, x)
+        z_prev = [
+            self._frozen(p, b, self.contrasted, x) for p, b in zip(inputs["prev"], inputs["prev_buffers"], strict=True)
+        ]
         return loss + self.config.mu * moon_contrastive_loss(z, z_global, z_prev, self.config.temperature)
 
     def after_local(self, ctx: ClientContext) -> Reply:

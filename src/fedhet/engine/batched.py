@@ -59,6 +59,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from fedhet.algorithms.base import Algorithm, ClientContext, Message, Reply
+from fedhet.algorithms.functional import Apply
 from fedhet.data.types import ClientData
 from fedhet.engine.checkpoint import StateFileError
 from fedhet.engine.client import ClientRunner, LocalExecutor, check_finite, failure_record
@@ -85,7 +86,8 @@ def algorithm_unbatchable(algo: Algorithm) -> str | None:
     ``batchable = True`` itself."""
     cls = type(algo)
     if not cls.__dict__.get("batchable", False):
-        return f"algorithm {cls.name!r} does not declare batchable"
+        reason = cls.__dict__.get("unbatchable_reason")
+        return f"algorithm {cls.name!r} " + (reason or "does not declare batchable")
     for hook in _REPLACED:
         if _overrides(algo, hook):
             return f"algorithm {cls.name!r} overrides {hook}"
@@ -140,6 +142,8 @@ class _Client:
         self.total = total
         self.batches: Iterator[torch.Tensor] | None = None
         self.alive = True
+        self.inputs: dict[str, torch.Tensor] = {}  # the algorithm's loss_inputs, read once after before_local
+        self.signature: tuple = ()  # clients whose inputs have the same names and shapes share one vmapped call
 
 
 class BatchedExecutor:
@@ -165,6 +169,9 @@ class BatchedExecutor:
         self.vmap_from = vmap_from
         self._layout = [(name, p.shape, p.numel()) for name, p in runner.model.named_parameters() if p.requires_grad]
         self._grad_fn = vmap(grad_and_value(self._client_loss))
+        self._apply = Apply(runner.model)  # the algorithm's own loss as a module over the shared model
+        self._own_loss = _overrides(runner.algo, "loss")
+        self._stacked: dict[tuple[int, ...], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self.last_phase_batched = False  # for tests and benchmarks: did the last phase take the batched path
 
     # ------------------------------------------------------------------ Executor protocol
@@ -249,11 +256,15 @@ class BatchedExecutor:
         nll = -logits.log_softmax(-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
         return (nll * mask).sum() / count
 
-    def _gradients(self, rows: torch.Tensor, grad_rows: torch.Tensor, batch: _Batch, m: int) -> torch.Tensor:
+    def _gradients(
+        self, rows: torch.Tensor, grad_rows: torch.Tensor, batch: _Batch, m: int, members: list[_Client]
+    ) -> torch.Tensor:
         """The loss gradient of each of the m active rows into ``grad_rows``; returns their (m,) losses.
 
         Fewer than ``vmap_from`` rows go one by one through the shared model, exactly as in the sequential loop
         (vmap's fixed cost per call exceeds a small model's step); more go through one vmapped call."""
+        if self._own_loss:
+            return self._loss_gradients(rows, grad_rows, batch, m, members)
         x, y = batch.x[:m], batch.y[:m]
         if m < self.vmap_from:
             flat, model, losses = self.runner.flat, self.runner.model, []
@@ -273,6 +284,72 @@ class BatchedExecutor:
         torch.cat([grads[name].reshape(m, -1) for name, _, _ in self._layout], dim=1, out=grad_rows)
         return losses.detach()
 
+    def _loss_gradients(
+        self, rows: torch.Tensor, grad_rows: torch.Tensor, batch: _Batch, m: int, members: list[_Client]
+    ) -> torch.Tensor:
+        """``_gradients`` for an algorithm with its own ``loss`` (algorithms/functional.py), which may use batch
+        statistics and so never sees padding: the clients with a full batch and inputs of the same shapes go through
+        one vmapped call per such set; a short batch (the last of a pass) or a set smaller than ``vmap_from`` goes
+        one by one through the shared model, as in the sequential loop."""
+        losses = rows.new_zeros(m)
+        sets: dict[tuple, list[int]] = {}
+        alone: list[int] = []
+        for k in range(m):
+            b = batch.lengths[k]
+            if not b:  # a dropped client's row: no gradient
+                grad_rows[k].zero_()
+            elif b == batch.x.shape[1]:
+                sets.setdefault(members[k].signature, []).append(k)
+            else:
+                alone.append(k)
+        for ks in sets.values():
+            if len(ks) < self.vmap_from:
+                alone.extend(ks)
+                continue
+            idx = torch.tensor(ks, device=rows.device)
+            batched, shared = self._loss_inputs(ks, members)
+            fn = vmap(grad_and_value(self._own_client_loss), in_dims=(0, 0, 0, 0, None))
+            params = self._param_views(rows.index_select(0, idx))
+            grads, values = fn(params, batch.x[idx], batch.y[idx], batched, shared)
+            flat = torch.cat([grads[name].reshape(len(ks), -1) for name, _, _ in self._layout], dim=1)
+            grad_rows.index_copy_(0, idx, flat)
+            losses[idx] = values.detach().to(losses.dtype)
+        flat, algo = self.runner.flat, self.runner.algo
+        for k in alone:
+            b = batch.lengths[k]
+            flat.set_params(rows[k])
+            flat.zero_grad()
+            loss = algo.loss(self.runner.model, batch.x[k, :b], batch.y[k, :b], members[k].inputs)
+            loss.backward()
+            losses[k] = loss.detach()
+            grad_rows[k].copy_(flat.grad)
+        return losses
+
+    def _loss_inputs(
+        self, ks: list[int], members: list[_Client]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(stacked per-client inputs, inputs that are one tensor for all of ``ks``: e.g. the received global
+        model), built once per set of rows and round."""
+        key = tuple(members[k].ctx.cid for k in ks)
+        if key not in self._stacked:
+            first = members[ks[0]].inputs
+            shared = {n: v for n, v in first.items() if all(members[k].inputs[n] is v for k in ks)}
+            batched = {n: torch.stack([members[k].inputs[n] for k in ks]) for n in first if n not in shared}
+            self._stacked[key] = (batched, shared)
+        return self._stacked[key]
+
+    def _own_client_loss(
+        self,
+        params: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        y: torch.Tensor,
+        batched: dict[str, torch.Tensor],
+        shared: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """One client's ``algo.loss`` at its row's parameters (vmapped over clients)."""
+        tensors = {f"model.{name}": t for name, t in params.items()}
+        return functional_call(self._apply, tensors, (self.runner.algo.loss, x, y, {**batched, **shared}))
+
     def _param_views(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         out, offset, m = {}, 0, rows.shape[0]
         for name, shape, n in self._layout:
@@ -287,6 +364,7 @@ class BatchedExecutor:
         flat = runner.flat
         failures: list[dict[str, Any]] = []
         runner.model.train()
+        self._stacked = {}  # this group's stacked loss inputs
         # Contexts in message order (each reseeds the global RNG, which then ends as the sequential executor's does).
         contexts: dict[int, ClientContext] = {}
         for cid, msg in msgs.items():
@@ -320,6 +398,8 @@ class BatchedExecutor:
                 ctx.flat.set_params(ctx.message.tensors["params"])
                 ctx.lr = float(ctx.message.scalars.get("lr", t.lr))
                 algo.before_local(ctx)
+                client.inputs = algo.loss_inputs(ctx)
+                client.signature = tuple((n, v.shape, v.dtype) for n, v in sorted(client.inputs.items()))
                 client.batches = batch_indices(
                     len(ctx.data), t.batch_size, client.total, ctx.generator, ctx.data.x.device
                 )
@@ -344,7 +424,7 @@ class BatchedExecutor:
             rows, grad_rows = params[:m], grads[:m]
             try:
                 with precision_context(t.precision, params.device):
-                    losses = self._gradients(rows, grad_rows, batch, m)
+                    losses = self._gradients(rows, grad_rows, batch, m, members)
             except Exception as err:
                 raise _SharedFailure(str(err)) from err
             if has_after_backward:
