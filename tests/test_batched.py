@@ -48,6 +48,9 @@ ALGORITHMS = [
     {"name": "feddecorr"},
     {"name": "moon", "projection_dim": 16},
     {"name": "moon", "projection_dim": 16, "classifier": "projection", "pool_size": 2},
+    {"name": "fedrcl", "variant": "official"},
+    {"name": "fedrcl", "variant": "paper"},
+    {"name": "fedbc_finetune"},
 ]
 # momentum and weight decay, unequal client sizes (Dirichlet), every client of the federation in the round
 TRAIN = {"participation": 1.0, "momentum": 0.9, "weight_decay": 1e-3, "grad_clip": 2.0}
@@ -315,3 +318,16 @@ def test_personalised_metrics_agree(tiny_config):
     a, b = (read_metrics(s.run_dir / "metrics.jsonl")[-1] for s in (seq, bat))
     assert a["personal_clients"] == b["personal_clients"] > 0
     assert abs(a["personal_acc_micro"] - b["personal_acc_micro"]) <= 0.01
+
+
+def test_every_algorithm_is_batchable_or_says_why_not(tiny_config):
+    """Every registered algorithm either declares batchable or gives a one-line reason (``unbatchable_reason``)."""
+    from fedhet.algorithms.base import ALGORITHMS
+
+    for name in ALGORITHMS.names():
+        cls = ALGORITHMS.get(name).obj
+        if cls.__dict__.get("batchable", False):
+            continue
+        reason = getattr(cls, "unbatchable_reason", None)
+        assert reason and "\n" not in reason and len(reason) <= 120, name
+        assert algorithm_unbatchable(cls.__new__(cls)) == f"algorithm {name!r} {reason}"

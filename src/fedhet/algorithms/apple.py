@@ -135,6 +135,9 @@ def combine(cores: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 class APPLE(FedAvg):
     name = "apple"
     Config = APPLEConfig
+    unbatchable_reason = (
+        "its loss loads the personalised mix of all cores into the model and after_backward steps the mixing weights"
+    )
     personalized = True
 
     def __init__(self, config: APPLEConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:

@@ -40,6 +40,7 @@ class CentralizedConfig(AlgoConfig):
 class Centralized(FedAvg):
     name = "centralized"
     Config = CentralizedConfig
+    unbatchable_reason = "trains one client holding all the data: nothing to batch"
     pools_clients = True
 
     def client_update(self, ctx: ClientContext) -> Reply:

@@ -178,6 +178,7 @@ REAL_STREAM, ROUND_STREAM, FEATURE_STREAM = 0xC3EF, 0x5E4F, 0xFEA7
 class CReFF(FedAvg):
     name = "creff"
     Config = CReFFConfig
+    unbatchable_reason = "after_local computes per-class gradients of the trained model through ctx.model"
 
     def __init__(self, config: CReFFConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
         super().__init__(config, setup, server_opt)

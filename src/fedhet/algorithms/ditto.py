@@ -71,6 +71,7 @@ class DittoConfig(FedAvgConfig):
 class Ditto(FedAvg):
     name = "ditto"
     Config = DittoConfig
+    unbatchable_reason = "after_local trains a second, personal model in its own loop"
     personalized = True
 
     # ----------------------------------------------------------------- client side

@@ -164,6 +164,7 @@ def accumulate(sums: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor, la
 class FedACD(Algorithm):
     name = "fedacd"
     Config = FedACDConfig
+    unbatchable_reason = "its loss updates per-client estimates in ctx.scratch each step (and draws its mixup)"
     weighted_aggregate = True  # aggregate records V, then runs the base weighted average (GNE applies)
 
     def __init__(self, config: FedACDConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:

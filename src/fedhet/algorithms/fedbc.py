@@ -204,6 +204,7 @@ class FedBCFineTuneConfig(FedBCConfig):
 class FedBCFineTune(FedBC):
     name = "fedbc_finetune"
     Config = FedBCFineTuneConfig
+    batchable = True  # FedBC's local training; the fine-tuning step runs in personalize, outside the batched loop
 
     def personalize(self, ctx: ClientContext) -> torch.Tensor | None:
         local = ctx.state.get("local")

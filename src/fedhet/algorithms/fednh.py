@@ -151,6 +151,9 @@ def update_prototypes(
 class FedNH(FedAvg):
     name = "fednh"
     Config = FedNHConfig
+    unbatchable_reason = (
+        "its head keeps the prototypes as model buffers and after_local embeds the data through ctx.model"
+    )
     weighted_aggregate = True  # aggregate runs FedAvg's, then replaces the prototypes (GNE applies)
 
     def __init__(self, config: FedNHConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:

@@ -191,6 +191,7 @@ class FedRANEConfig(AlgoConfig):
 class FedRANE(Algorithm):
     name = "fedrane"
     Config = FedRANEConfig
+    unbatchable_reason = "its loss reads ctx.model and the generator directly (not ported to the functional loss)"
     personalized = True  # P-FL: each client's model after its last local training
 
     @classmethod

@@ -38,8 +38,9 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from pydantic import Field
+from torch import nn
 
-from fedhet.algorithms.base import ALGORITHMS, ClientContext
+from fedhet.algorithms.base import ALGORITHMS
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedhet.models.base import FedModel
 
@@ -130,11 +131,10 @@ def resolve_levels(model: FedModel, levels: tuple[str, ...] | None) -> tuple[str
 class FedRCL(FedAvg):
     name = "fedrcl"
     Config = FedRCLConfig
+    batchable = True  # batch statistics only within a client's own batch (algorithms/functional.py)
 
-    def before_local(self, ctx: ClientContext) -> None:
-        ctx.scratch["rcl_levels"] = resolve_levels(ctx.model, self.config.levels)
-
-    def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits, features = ctx.model.forward_features(x)
-        scl, pen = rcl_loss([features[name] for name in ctx.scratch["rcl_levels"]], y, self.config)
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits, features = model.forward_features(x)
+        levels = resolve_levels(model, self.config.levels)  # the architecture's taps, checked
+        scl, pen = rcl_loss([features[name] for name in levels], y, self.config)
         return F.cross_entropy(logits, y) + scl + self.config.beta * pen

@@ -106,6 +106,9 @@ def label_distribution(counts: torch.Tensor) -> torch.Tensor:
 class FedRoD(FedAvg):
     name = "fedrod"
     Config = FedRoDConfig
+    unbatchable_reason = (
+        "its loss adds the generic and personal losses to ctx.scratch each step (not ported to the functional loss)"
+    )
     personalized = True
     weighted_aggregate = True  # aggregate's target is aggregate_target (server.aggregation = "gne" applies)
 

@@ -257,6 +257,7 @@ def mean_loss_terms(replies: dict[int, Reply]) -> dict[str, float]:
 class FedUFO(FedAvg):
     name = "fedufo"
     Config = FedUFOConfig
+    unbatchable_reason = "its loss runs the other members' models and a discriminator held outside the flat vector"
 
     def __init__(self, config: FedUFOConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
         super().__init__(config, setup, server_opt)

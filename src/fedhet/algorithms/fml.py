@@ -67,6 +67,7 @@ def mutual_loss(own: torch.Tensor, other: torch.Tensor, y: torch.Tensor, ce_weig
 class FML(FedAvg):
     name = "fml"
     Config = FMLConfig
+    unbatchable_reason = "its loss trains a second (private) model with its own optimiser"
     personalized = True  # the private models
 
     def __init__(self, config: FMLConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:

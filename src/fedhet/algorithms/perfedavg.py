@@ -75,6 +75,8 @@ class MamlMixin:
     loop's backward leaves g = grad f(w~; D') in the flat gradient; ``after_backward`` applies the Hessian-free
     correction if asked and restores w, and the loop's optimiser then steps w with g."""
 
+    unbatchable_reason = "its loss takes MAML inner steps in place and draws extra batches (second-order step)"
+
     config: MamlParams
     personalized = True
 

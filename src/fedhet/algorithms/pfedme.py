@@ -65,6 +65,7 @@ class PFedMeConfig(FedAvgConfig):
 class PFedMe(FedAvg):
     name = "pfedme"
     Config = PFedMeConfig
+    unbatchable_reason = "its loss is taken at a second parameter set, theta, solved for in after_backward"
     personalized = True
 
     def __init__(self, config: PFedMeConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:

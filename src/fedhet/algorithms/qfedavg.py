@@ -42,6 +42,7 @@ class QFedAvgConfig(AlgoConfig):
 class QFedAvg(Algorithm):
     name = "qfedavg"
     Config = QFedAvgConfig
+    unbatchable_reason = "before_local evaluates the received model through ctx.model"
 
     # ----------------------------------------------------------------- server side
     def aggregation_weights(self, replies: dict[int, Reply]) -> list[float]:

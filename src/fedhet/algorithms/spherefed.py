@@ -130,6 +130,7 @@ def calibrated_classifier(gram: torch.Tensor, cross: torch.Tensor, ridge: float)
 class SphereFed(FedAvg):
     name = "spherefed"
     Config = SphereFedConfig
+    unbatchable_reason = "its calibration phase replaces client_update (feature statistics through ctx.model)"
     personalized = True  # the global model on each client's local test split (FedRANE's P-FL column)
 
     def __init__(self, config: SphereFedConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:

@@ -86,7 +86,7 @@ def algorithm_unbatchable(algo: Algorithm) -> str | None:
     ``batchable = True`` itself."""
     cls = type(algo)
     if not cls.__dict__.get("batchable", False):
-        reason = cls.__dict__.get("unbatchable_reason")
+        reason = getattr(cls, "unbatchable_reason", None)  # inherited: subclasses share the mechanism
         return f"algorithm {cls.name!r} " + (reason or "does not declare batchable")
     for hook in _REPLACED:
         if _overrides(algo, hook):
