@@ -63,9 +63,9 @@ from fedhet.algorithms.functional import Apply
 from fedhet.data.types import ClientData
 from fedhet.engine.checkpoint import StateFileError
 from fedhet.engine.client import ClientRunner, LocalExecutor, check_finite, failure_record
+from fedhet.engine.memory import available_memory
 from fedhet.engine.state import MemoryStateStore
 from fedhet.toolkit.flat import FlatModel, FlatVectors
-from fedhet.engine.memory import available_memory
 from fedhet.toolkit.local import batch_indices, num_local_steps, precision_context
 
 if TYPE_CHECKING:
@@ -217,7 +217,7 @@ class BatchedExecutor:
         """``run.max_group = 0``: ``CPU_GROUP`` off a GPU; on one, what its free memory holds (``group_size``)."""
         flat = self.runner.flat
         device = flat.params.device
-        room = available_memory(device) if device.type == "cuda" else None
+        room = available_memory(device) if device.type in MEMORY_DEVICES else None
         if room is None:
             return CPU_GROUP
         data = next((c for c in self.clients if len(c)), self.clients[0])
@@ -521,6 +521,7 @@ class _Batch:
 
 # ---------------------------------------------------------------------- group size
 CPU_GROUP = 32  # clients per group off a GPU (run.max_group = 0)
+MEMORY_DEVICES = ("cuda",)  # device types whose free memory sizes the group (a CPU's is shared with everything else)
 # the share of the free device memory a group may take: the rest is the allocator's slack, grouped convolutions'
 # workspaces, evaluation and the server's vectors
 MEMORY_SHARE = 0.5

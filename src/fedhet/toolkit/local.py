@@ -95,7 +95,9 @@ def clip_grad_norm(grad: torch.Tensor, max_norm: float) -> None:
 
 def precision_context(precision: str, device: torch.device) -> Any:
     """Autocast for ``train.precision`` around a forward pass and its loss: bf16 under ``torch.autocast`` on the
-    model's device type, fp32 no context at all (the default, bit for bit what it was without the option)."""
+    model's device type, fp32 no context at all (the default, bit for bit what it was without the option). Without
+    autocast's cache of cast weights: a context around several clients' forward passes (the batched executor's
+    one-by-one path) sets new weights in place between them, and a cached cast would keep the first client's."""
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=False)
