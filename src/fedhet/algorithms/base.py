@@ -28,6 +28,7 @@ from pydantic import ConfigDict
 
 from fedhet.algorithms.contract import ClientContext, Message, Reply, Scalar, Setup  # noqa: F401  (the types)
 from fedhet.algorithms.loop import train_locally
+from fedhet.algorithms.privacy import CentralDP, LocalDP
 from fedhet.algorithms.server_opt import ServerOptimizer
 from fedhet.data.types import ClientData  # noqa: F401  (re-exported: plug-ins import it from here)
 from fedhet.params import Params
@@ -73,12 +74,22 @@ class Algorithm:
         self.gne: GNE | None = None  # server.aggregation = "gne": Nash-bargaining weights (algorithms/gne.py)
         # a robust server.aggregation rule and/or server.norm_bound (algorithms/robust.py)
         self.robust: RobustAggregator | None = None
+        self.privacy: CentralDP | LocalDP | None = None  # [privacy]'s server half (algorithms/privacy.py)
 
     @classmethod
     def accepts_gne(cls) -> bool:
         """Whether the ``aggregate`` this class uses is a weighted average that GNE's weights can replace."""
         owner = next(c for c in cls.__mro__ if "aggregate" in c.__dict__)
         return bool(owner.__dict__.get("weighted_aggregate", False))
+
+    @classmethod
+    def accepts_central_dp(cls) -> bool:
+        """Whether central DP can privatise this class's aggregation: a weighted average (``aggregate_target``
+        adds the clipped, noised mean), or an ``aggregate`` that privatises its own vectors (``central_dp = True``,
+        SCAFFOLD's joint (delta_y, delta_c)); ``central_dp = False`` refuses a weighted average whose replies carry
+        other data-derived tensors the server uses (FedNH's prototype sums)."""
+        owner = next(c for c in cls.__mro__ if "aggregate" in c.__dict__)
+        return bool(owner.__dict__.get("central_dp", owner.__dict__.get("weighted_aggregate", False)))
 
     def use_gne(self, gne: GNE) -> None:
         """Aggregate with GNE's Nash-bargaining weights instead of ``aggregation_weights`` (server side only)."""
@@ -132,6 +143,9 @@ class Algorithm:
     def aggregate_target(self, replies: dict[int, Reply], weights: list[float]) -> torch.Tensor:
         """The weighted average of the replied models; with GNE, x + G p (``weights`` are then its fallback)."""
         params = [r.tensors["params"] for r in replies.values()]
+        if isinstance(self.privacy, CentralDP):
+            # central DP replaces the weights by DP-FedAvg's fixed ones (algorithms/privacy.py)
+            return self.global_params + self.privacy.mean([p - self.global_params for p in params])
         if self.robust is not None:
             return self.robust.target(self.global_params, params, weights, self.average)
         return self.average(params, weights)
@@ -165,9 +179,15 @@ class Algorithm:
         return self.rule_metrics()
 
     def rule_metrics(self) -> dict[str, float]:
-        """The diagnostics of GNE and of a robust rule or norm bound, for the last aggregation."""
+        """The diagnostics of GNE, of a robust rule or norm bound, and of [privacy], for the last aggregation."""
         out = {} if self.gne is None else self.gne.metrics()
-        return out if self.robust is None else {**out, **self.robust.metrics()}
+        out = out if self.robust is None else {**out, **self.robust.metrics()}
+        return out if self.privacy is None else {**out, **self.privacy.metrics()}
+
+    def account(self, replies: dict[int, Reply]) -> None:
+        """Tell the privacy ledger which clients trained how many steps (local DP-SGD's per-client epsilon)."""
+        if isinstance(self.privacy, LocalDP):
+            self.privacy.observe(replies)
 
     def state_dict(self) -> dict[str, Any]:
         state = {
@@ -177,6 +197,8 @@ class Algorithm:
         }
         if self.gne is not None:
             state["gne"] = self.gne.state_dict()
+        if self.privacy is not None:
+            state["privacy"] = self.privacy.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -185,6 +207,8 @@ class Algorithm:
         self.server_opt.load_state_dict(state["server_opt"])
         if self.gne is not None:
             self.gne.load_state_dict(state["gne"])
+        if self.privacy is not None:
+            self.privacy.load_state_dict(state["privacy"])
 
     # ----------------------------------------------------------------- client side
     # True: several clients of a phase may be trained as one batched computation (engine/batched.py). A class
@@ -195,6 +219,10 @@ class Algorithm:
     # ``after_local``. Each hook then runs on its client's row of the stacked parameters. Not inherited: a subclass
     # that changes the loss (FedLC, MOON, ...) is sequential unless it declares it too.
     batchable: ClassVar[bool] = False
+    # True: local DP-SGD (``privacy.mode = "local"``) covers everything this client sends. A class declares it (not
+    # inherited) when its ``local_loss`` is a sum of per-sample terms that vmap can take one sample at a time and no
+    # other hook reads the client's data, so the reply is computed from privatised gradients only.
+    dp_sgd: ClassVar[bool] = False
     # True: the simulation trains one client holding every client's training data and evaluates on the partition's
     # clients (the centralized upper bound); not possible over Flower, where the data stay on the nodes
     pools_clients: ClassVar[bool] = False

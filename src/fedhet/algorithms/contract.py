@@ -14,7 +14,7 @@ import torch
 from fedhet.data.types import ClientData
 
 if TYPE_CHECKING:
-    from fedhet.config import TrainSection
+    from fedhet.config import PrivacySection, TrainSection
     from fedhet.models.base import FedModel
     from fedhet.toolkit.flat import FlatModel
 
@@ -78,3 +78,4 @@ class Setup:
     train: TrainSection
     build_model: Callable[[], FedModel]
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    privacy: PrivacySection | None = None  # the run's [privacy]: local DP-SGD is applied by the shared loop

@@ -20,6 +20,7 @@ class FedAvg(Algorithm):
     name = "fedavg"
     Config = FedAvgConfig
     batchable = True  # default loss, hooks on the flat vectors only (engine/batched.py)
+    dp_sgd = True  # default loss, no other hook reads the data
 
     def aggregation_weights(self, replies: dict[int, Reply]) -> list[float]:
         if getattr(self.config, "weighting", "samples") == "uniform":

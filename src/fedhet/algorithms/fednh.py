@@ -155,6 +155,7 @@ class FedNH(FedAvg):
         "its head keeps the prototypes as model buffers and after_local embeds the data through ctx.model"
     )
     weighted_aggregate = True  # aggregate runs FedAvg's, then replaces the prototypes (GNE applies)
+    central_dp = False  # the prototype sums and class counts would reach the server unprivatised
 
     def __init__(self, config: FedNHConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
         super().__init__(config, setup, server_opt)

@@ -19,6 +19,7 @@ class FedProx(FedAvg):
     name = "fedprox"
     Config = FedProxConfig
     batchable = True  # default loss, hooks on the flat vectors only (engine/batched.py)
+    dp_sgd = True  # default loss; the proximal term is added after privatisation and reads no data
 
     def after_backward(self, ctx: ClientContext) -> None:
         # The gradient of mu/2 ||w - w_g||^2 is exact and cheap on the flat vectors; no autograd needed.

@@ -3,10 +3,13 @@ contract's types are imported for annotations only, and the contract calls this 
 
 from __future__ import annotations
 
+from math import prod
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.func import functional_call
 
+from fedhet.algorithms.privacy import dp_sgd_gradient
 from fedhet.toolkit.local import FlatSGD, batch_indices, clip_grad_norm, num_local_steps, precision_context
 
 if TYPE_CHECKING:
@@ -28,6 +31,8 @@ def train_locally(algo: Any, ctx: ClientContext) -> Reply:
     t = ctx.train
     opt = FlatSGD(ctx.flat, ctx.lr, t.momentum, t.weight_decay, t.nesterov)
     ctx.scratch["optimizer"] = opt
+    dp = getattr(algo.setup, "privacy", None)
+    private = flat_loss(algo, ctx) if dp is not None and dp.mode == "local" else None
     total = num_local_steps(len(ctx.data), t.batch_size, t.local_epochs, t.local_steps)
     losses = []  # read once after the last step: a GPU step never waits for the host
     device = ctx.flat.params.device
@@ -39,9 +44,13 @@ def train_locally(algo: Any, ctx: ClientContext) -> Reply:
         if ctx.poison is not None:  # a malicious client's data attack ([attack], engine/attack.py)
             x, y = ctx.poison(x, y)
         ctx.flat.zero_grad()
-        with precision_context(t.precision, device):
-            loss = algo.local_loss(ctx, x, y)
-        loss.backward()
+        if private is None:
+            with precision_context(t.precision, device):
+                loss = algo.local_loss(ctx, x, y)
+            loss.backward()
+        else:
+            grad, loss = dp_sgd_gradient(private, ctx.flat.params.detach(), x, y, dp, t.batch_size, ctx.generator)
+            ctx.flat.grad.copy_(grad)
         algo.after_backward(ctx)
         if t.grad_clip is not None:
             clip_grad_norm(ctx.flat.grad, t.grad_clip)
@@ -52,3 +61,31 @@ def train_locally(algo: Any, ctx: ClientContext) -> Reply:
     for value in torch.stack(losses).tolist() if losses else []:  # the same float sum as one float() per step
         ctx.loss_sum += value
     return algo.after_local(ctx)
+
+
+class _Loss(torch.nn.Module):
+    """The algorithm's ``local_loss`` as a module over ``ctx.model``, so ``functional_call`` can run it on other
+    parameters (one sample's row under vmap) while the hook reads ``ctx.model`` as usual."""
+
+    def __init__(self, algo: Any, ctx: ClientContext) -> None:
+        super().__init__()
+        self.model, self.algo, self.ctx = ctx.model, algo, ctx
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.algo.local_loss(self.ctx, x, y)
+
+
+def flat_loss(algo: Any, ctx: ClientContext) -> Any:
+    """``loss(flat_params, x, y)``: the algorithm's local loss at a flat parameter vector (local DP-SGD)."""
+    module = _Loss(algo, ctx)
+    shapes = [(f"model.{name}", p.shape) for name, p in ctx.model.named_parameters() if p.requires_grad]
+
+    def loss(params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        tensors, offset = {}, 0
+        for name, shape in shapes:
+            n = prod(shape)
+            tensors[name] = params[offset : offset + n].view(shape)
+            offset += n
+        return functional_call(module, tensors, (x, y))
+
+    return loss

@@ -33,6 +33,7 @@ import torch
 
 from fedhet.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientContext, Message, Reply, weighted_sum
 from fedhet.algorithms.fednova import effective_steps
+from fedhet.algorithms.privacy import CentralDP
 
 
 class ScaffoldConfig(AlgoConfig):
@@ -53,6 +54,8 @@ class Scaffold(Algorithm):
     name = "scaffold"
     Config = ScaffoldConfig
     batchable = True  # default loss, hooks on the flat vectors only (engine/batched.py)
+    central_dp = True  # its aggregate privatises the joint (delta_y, lr delta_c) itself (privatised_deltas)
+    dp_sgd = True  # default loss; the control variates are computed from the privatised steps only
 
     # ----------------------------------------------------------------- server side
     def init_server(self, params: torch.Tensor, buffers: torch.Tensor) -> None:
@@ -71,13 +74,29 @@ class Scaffold(Algorithm):
 
     def aggregate(self, rnd: int, replies: dict[int, Reply], phase: str) -> dict[str, float]:
         weights = self.aggregation_weights(replies)
-        target = self.global_params + weighted_sum([r.tensors["delta_y"] for r in replies.values()], weights)
+        n = self.setup.num_clients
+        if isinstance(self.privacy, CentralDP):
+            mean_y, sum_c = self.privatised_deltas(rnd, replies)
+            target, self.c = self.global_params + mean_y, self.c + sum_c / n
+        else:
+            target = self.global_params + weighted_sum([r.tensors["delta_y"] for r in replies.values()], weights)
+            # (1/N) sum over the replies keeps c equal to the mean of all N client variates (paper: |S|/N * mean).
+            self.c = self.c + weighted_sum([r.tensors["delta_c"] for r in replies.values()], [1.0 / n] * len(replies))
         self.global_params = self.server_opt.step(self.global_params, target)
         self.average_buffers(replies, weights)
-        # (1/N) sum over the replies keeps c equal to the mean of all N client variates (paper: |S|/N * mean).
-        n = self.setup.num_clients
-        self.c = self.c + weighted_sum([r.tensors["delta_c"] for r in replies.values()], [1.0 / n] * len(replies))
         return {}
+
+    def privatised_deltas(self, rnd: int, replies: dict[int, Reply]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Central DP: each client's joint vector (delta_y, s delta_c) clipped to C as one and noised as one, so the
+        pair costs one release. delta_c is about -delta_y / (K eta_l) - c, so s = eta_l K_mean (the round's lr and
+        the local steps of a mean-sized client, both public) puts it on delta_y's scale instead of letting it take
+        the whole clip; c then gets noise z C / (N s) per coordinate a round, which moves a client's K steps by
+        about z C / N, below the model's own z C / m. Returns (noised mean of delta_y, noised sum of delta_c)."""
+        scale = self.round_lr(rnd) * self.privacy.mean_steps
+        joint = [torch.cat([r.tensors["delta_y"], r.tensors["delta_c"] * scale]) for r in replies.values()]
+        mean = self.privacy.mean(joint)
+        p = self.global_params.numel()
+        return mean[:p], mean[p:] * (self.privacy.per_round / scale)
 
     def round_metrics(self, rnd: int) -> dict[str, float]:
         return {"c_norm": float(self.c.norm())}

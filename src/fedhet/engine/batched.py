@@ -109,6 +109,9 @@ def model_unbatchable(flat: FlatModel) -> str | None:
 def runner_unbatchable(runner: ClientRunner) -> str | None:
     if runner.local_diagnostics:
         return "run.eval_local_models evaluates each client's local model"
+    privacy = getattr(runner.algo.setup, "privacy", None)
+    if privacy is not None and privacy.mode == "local":
+        return "local DP-SGD clips per-sample gradients in the sequential loop"
     return algorithm_unbatchable(runner.algo) or model_unbatchable(runner.flat)
 
 

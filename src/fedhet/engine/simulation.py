@@ -168,6 +168,7 @@ class Simulation:
         self.evaluator.observe(phase, replies)  # takes the local models out before the algorithm aggregates
         if replies:
             self.algo.aggregate(rnd, replies, phase)
+            self.algo.account(replies)
             self.seen.update(replies)
         return RoundResult(replies, failures)
 

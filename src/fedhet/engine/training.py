@@ -24,7 +24,7 @@ from fedhet.engine.attack import Attack
 from fedhet.engine.client import ClientRunner
 from fedhet.errors import ConfigError
 from fedhet.toolkit.flat import FlatModel
-from fedhet.toolkit.local import derive_seed
+from fedhet.toolkit.local import derive_seed, num_local_steps
 
 
 def resolve_config(cfg: Config) -> dict[str, Any]:
@@ -42,6 +42,7 @@ def resolve_config(cfg: Config) -> dict[str, Any]:
         fixed = {k: v for k, v in out[section].items() if k not in comp.params()}
         out[section] = {**fixed, "name": entry.name, **params}
     check_aggregation(cfg)
+    check_privacy(cfg)
     return out
 
 
@@ -68,6 +69,65 @@ def check_aggregation(cfg: Config) -> None:
         )
     if server.aggregation == "multikrum" and server.multikrum_m is not None and server.multikrum_m > n:
         raise ConfigError(f"server.multikrum_m={server.multikrum_m} exceeds the {n} clients per round")
+
+
+def check_privacy(cfg: Config) -> None:
+    """[privacy] only where its guarantee holds: the accountant's sampling, an aggregation it can privatise (central)
+    or a loss it can take per sample (local)."""
+    mode = cfg.privacy.mode
+    if mode == "none":
+        return
+    if cfg.train.sampling != "uniform":
+        raise ConfigError(
+            f"privacy.mode={mode!r} is accounted for clients drawn uniformly without replacement; "
+            f"train.sampling={cfg.train.sampling!r} picks them from their results (use train.sampling='uniform')"
+        )
+    algo = ALGORITHMS.get(cfg.algorithm.name).obj
+    if mode == "central":
+        if cfg.server.aggregation != "weights":
+            raise ConfigError(
+                f"privacy.mode='central' fixes DP-FedAvg's uniform weights over clipped updates; it cannot be combined "
+                f"with server.aggregation={cfg.server.aggregation!r} (use 'weights')"
+            )
+        if cfg.server.norm_bound is not None:
+            raise ConfigError(
+                "privacy.mode='central' already bounds every update's norm by privacy.clip; unset server.norm_bound"
+            )
+        if not algo.accepts_central_dp():
+            able = [e.name for e in ALGORITHMS.entries() if e.obj.accepts_central_dp()]
+            raise ConfigError(
+                f"privacy.mode='central' privatises a weighted average of client models, which {algo.name}'s server "
+                f"does not take; algorithms that accept it: {', '.join(able)}"
+            )
+    elif not algo.__dict__.get("dp_sgd", False):
+        able = [e.name for e in ALGORITHMS.entries() if e.obj.__dict__.get("dp_sgd", False)]
+        raise ConfigError(
+            f"privacy.mode='local' needs a per-sample local loss and no other use of the client's data, which "
+            f"{algo.name} does not declare (dp_sgd); algorithms that accept it: {', '.join(able)}"
+        )
+
+
+def attach_privacy(cfg: Config, algo: Algorithm, flat: FlatModel, fed: FederatedDataset) -> None:
+    """The server half of [privacy]: DP-FedAvg's clipped noised mean, or local DP-SGD's per-client ledger."""
+    from fedhet.algorithms.privacy import CentralDP, LocalDP
+
+    mode = cfg.privacy.mode
+    if mode == "none":
+        return
+    if flat.buffers.numel():
+        raise ConfigError(
+            f"privacy.mode={mode!r}: model {cfg.model.name!r} has buffers (BatchNorm statistics), which would be "
+            "averaged without privacy; use a model without them (e.g. resnet18 with norm='group')"
+        )
+    if mode == "central":
+        per_round = cfg.clients_per_round()
+        algo.privacy = CentralDP(cfg.privacy, fed.num_clients, per_round, cfg.run.rounds, cfg.run.seed)
+        # the local steps of a client of the federation's mean size: a public scale (SCAFFOLD's control variates)
+        t = cfg.train
+        mean_size = int(round(float(fed.train_counts.sum()) / max(fed.num_clients, 1)))
+        algo.privacy.mean_steps = num_local_steps(mean_size, t.batch_size, t.local_epochs, t.local_steps)
+    else:
+        algo.privacy = LocalDP(cfg.privacy, cfg.train.batch_size)
 
 
 def build_federation(cfg: Config) -> FederatedDataset:
@@ -215,8 +275,9 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
     torch.manual_seed(derive_seed(cfg.run.seed, 0x40DE1))
     model = make_model()
     flat = FlatModel(model)
-    setup = Setup(fed.num_clients, fed.num_classes, cfg.train, make_model, device)
+    setup = Setup(fed.num_clients, fed.num_classes, cfg.train, make_model, device, cfg.privacy)
     algo = build_algorithm(cfg, setup)
+    attach_privacy(cfg, algo, flat, fed)
     algo.init_server(flat.get_params(), flat.get_buffers())
     augment = build_augment(cfg.train.augment, fed.pad_value)
     runner = ClientRunner(
