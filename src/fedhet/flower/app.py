@@ -30,7 +30,7 @@ from rich.console import Console
 from fedhet.config import Config, load_config
 from fedhet.errors import ConfigError, FedhetError
 from fedhet.flower.client import make_client_app
-from fedhet.flower.secagg import SECAGG, SecAggSettings, SecureAggregation, refusal
+from fedhet.flower.secagg import SECAGG, SecAggSettings, SecureAggregation, algorithm_refusal, refusal
 from fedhet.flower.server import Exchange, FlowerExecutor, Nodes, discover, server_federation
 
 # Flower run config keys of a fedhet app, with their defaults (Flower only accepts overrides of declared keys).
@@ -135,6 +135,9 @@ def run_server(grid: Grid, cfg: Config, options: RunOptions, console: Console | 
         secure=secure_aggregation(cfg, options, nodes, fed),
     )
     sim = Simulation(cfg, fed=fed, console=console, executor=executor)
+    why = algorithm_refusal(sim.algo) if executor.secure is not None else None
+    if why:
+        raise ConfigError(f"secure-aggregation={SECAGG!r}: {why}")
     sim.folder.flags = dict(zip(("resume", "overwrite"), options.flags, strict=True))
     return sim.run(resume=options.resume, overwrite=options.overwrite)
 

@@ -81,13 +81,9 @@ def refusal(cfg: Config, settings: SecAggSettings) -> str | None:
 
     cls: type[Algorithm] = ALGORITHMS.get(cfg.algorithm.name).obj
     owner = next(c for c in cls.__mro__ if "aggregate" in c.__dict__)
-    weights = next(c for c in cls.__mro__ if "aggregation_weights" in c.__dict__)
-    name = cfg.algorithm.name
     if owner is not Algorithm or tuple(cls.phases) != ("train",):
+        name = cfg.algorithm.name
         return f"{name}'s aggregation is not a plain weighted sum of the client models (SecAgg+ sums nothing else)"
-    settings_of_algo = cls.Config(**cfg.algorithm.params())
-    if weights is not Algorithm and getattr(settings_of_algo, "weighting", None) != "samples":
-        return f"{name} weights clients otherwise than by their sample counts (SecAgg+ weights by num_examples)"
     if cfg.server.aggregation != "weights":
         return f"server.aggregation={cfg.server.aggregation!r} needs each client's update; SecAgg+ hides them"
     privacy = getattr(cfg, "privacy", None)
@@ -100,6 +96,21 @@ def refusal(cfg: Config, settings: SecAggSettings) -> str | None:
         return f"SecAgg+ needs at least 2 clients a round (this run samples {m})"
     if m * settings.quantization_range >= settings.modulus_range:
         return f"{m} clients a round overflow SecAgg+'s modulus (clients x quantization range must stay below 2**32)"
+    return None
+
+
+def algorithm_refusal(algo: Algorithm) -> str | None:
+    """What only the built algorithm shows: GNE wired in by the algorithm itself (FedRANE), and weights that are not
+    the clients' sample shares (probed with two replies of 1 and 3 examples)."""
+    if algo.gne is not None:
+        return f"{algo.name} aggregates with GNE, which needs each client's model; SecAgg+ hides them"
+    probe = {0: Reply(num_examples=1), 1: Reply(num_examples=3)}
+    try:
+        weights = [float(w) for w in algo.aggregation_weights(probe)]
+    except Exception:  # weights that read more than the sample counts
+        weights = []
+    if len(weights) != 2 or not np.allclose(weights, [0.25, 0.75]):
+        return f"{algo.name} weights clients otherwise than by their sample counts (SecAgg+ weights by num_examples)"
     return None
 
 
