@@ -187,3 +187,11 @@ def test_bf16_trains_in_both_executors_close_to_each_other(tiny_config):
 
 def test_precision_is_not_a_resumable_change():
     assert "train.precision" not in RESUMABLE_CHANGES and "run.max_group" in RESUMABLE_CHANGES
+
+
+def test_provisional_gpu_rule_batches_from_four_clients(tiny_config):
+    sim = Simulation(tiny_config(model={"name": "convnet", "channels": [8, 16], "hidden": 32}))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert batched.batching_pays_off(sim.flat, 64, batched.AUTO_GPU_MIN_CLIENTS, cuda)
+    assert not batched.batching_pays_off(sim.flat, 64, batched.AUTO_GPU_MIN_CLIENTS - 1, cuda)
+    assert not batched.batching_pays_off(sim.flat, 64, 100, cpu)  # a conv net on a CPU: measured slower

@@ -572,6 +572,10 @@ def activation_bytes(runner: ClientRunner, x: torch.Tensor, y: torch.Tensor) -> 
 # CPU vmap saves per-operation overhead but not arithmetic.
 AUTO_MIN_CLIENTS = 20
 AUTO_MAX_WORK = 1_000_000  # parameters x batch size
+# PROVISIONAL, not measured (no GPU has been available yet; docs/performance.md, "On a GPU"): on CUDA, batch every
+# batchable model from this many clients a round, since a small client's GPU step is bound by kernel launches
+# that batching divides by the group size. benchmarks/gpu.py measures it; replace this rule with what it finds.
+AUTO_GPU_MIN_CLIENTS = 4
 
 
 def fully_connected(model: nn.Module) -> bool:
@@ -582,9 +586,10 @@ def fully_connected(model: nn.Module) -> bool:
 
 
 def batching_pays_off(flat: FlatModel, batch_size: int, clients: int, device: torch.device) -> bool:
-    """Whether the batched executor was measured to be at least ~1.3x faster than the sequential one here.
-
-    Only CPU is measured; on other devices "auto" stays sequential (ask for ``run.executor = "batched"``)."""
+    """Whether the batched executor was measured to be at least ~1.3x faster than the sequential one here (CPU), or
+    is expected to be (CUDA: the provisional ``AUTO_GPU_MIN_CLIENTS`` rule). Elsewhere (MPS) "auto" stays sequential."""
+    if device.type == "cuda":
+        return clients >= AUTO_GPU_MIN_CLIENTS
     return (
         device.type == "cpu"
         and clients >= AUTO_MIN_CLIENTS
