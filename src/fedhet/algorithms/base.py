@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from pydantic import ConfigDict
 
 from fedhet.algorithms.contract import ClientContext, Message, Reply, Scalar, Setup  # noqa: F401  (the types)
+from fedhet.algorithms.functional import record_aux, split_loss
 from fedhet.algorithms.loop import train_locally
 from fedhet.algorithms.privacy import CentralDP, LocalDP
 from fedhet.algorithms.server_opt import ServerOptimizer
@@ -251,7 +252,9 @@ class Algorithm:
     def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The loss the loop differentiates: ``loss`` on the client's model. Override ``loss`` and ``loss_inputs``
         rather than this, so the batched executor can run the same loss (algorithms/functional.py)."""
-        return self.loss(ctx.model, x, y, self.loss_inputs(ctx))
+        loss, aux = split_loss(self.loss(ctx.model, x, y, self.loss_inputs(ctx)))
+        record_aux(ctx.scratch, aux)
+        return loss
 
     def loss_inputs(self, ctx: ClientContext) -> dict[str, torch.Tensor]:
         """The tensors ``loss`` reads besides the model and the batch, fixed during the client's local training
@@ -260,7 +263,8 @@ class Algorithm:
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """The client loss of a batch, a function of the model (at the client's current parameters) and
-        ``inputs`` only: no ``ctx``, no in-place state, no data-dependent shapes, so it also runs under ``vmap``."""
+        ``inputs`` only: no ``ctx``, no in-place state, no data-dependent shapes, so it also runs under ``vmap``.
+        It may return (loss, {name: 0-d tensor}) for values a later hook reads (``functional.aux_sums``)."""
         return F.cross_entropy(model(x), y)
 
     def after_backward(self, ctx: ClientContext) -> None:

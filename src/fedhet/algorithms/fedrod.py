@@ -55,6 +55,7 @@ from torch import nn
 
 from fedhet.algorithms.base import ALGORITHMS, ClientContext, Reply, Setup
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
+from fedhet.algorithms.functional import aux_sums
 from fedhet.algorithms.partial import step_keeping
 from fedhet.toolkit.flat import FlatModel
 
@@ -106,9 +107,8 @@ def label_distribution(counts: torch.Tensor) -> torch.Tensor:
 class FedRoD(FedAvg):
     name = "fedrod"
     Config = FedRoDConfig
-    unbatchable_reason = (
-        "its loss adds the generic and personal losses to ctx.scratch each step (not ported to the functional loss)"
-    )
+    # the label statistics are per-client inputs, P's own step runs on the flat vectors (algorithms/functional.py)
+    batchable = True
     personalized = True
     weighted_aggregate = True  # aggregate's target is aggregate_target (server.aggregation = "gne" applies)
 
@@ -154,9 +154,10 @@ class FedRoD(FedAvg):
     # ----------------------------------------------------------------- client side
     def before_local(self, ctx: ClientContext) -> None:
         counts = ctx.data.label_counts()
-        ctx.scratch["log_counts"] = counts.log()  # log 0 = -inf: an absent class gets no probability, no gradient
-        ctx.scratch["distribution"] = label_distribution(counts)
-        ctx.scratch["rod_losses"] = [0.0, 0.0]
+        ctx.scratch["rod_inputs"] = {
+            "log_counts": counts.log(),  # log 0 = -inf: an absent class gets no probability, no gradient
+            "distribution": label_distribution(counts),
+        }
         own = ctx.state.get(PERSONAL)
         if self.keeps_personal and own is not None:
             ctx.flat.params[self.slices()[PERSONAL]] = own
@@ -167,16 +168,18 @@ class FedRoD(FedAvg):
             return personal(z)
         return F.linear(z, personal(distribution))
 
-    def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        z = ctx.model.body(x)
-        generic = ctx.model.head(z)
-        loss_g = balanced_softmax_loss(generic, y, ctx.scratch["log_counts"])
-        personal = generic.detach() + self.personal_logits(ctx.model, z.detach(), ctx.scratch["distribution"])
+    def loss_inputs(self, ctx: ClientContext) -> dict[str, torch.Tensor]:
+        return ctx.scratch["rod_inputs"]
+
+    def loss(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, inputs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        z = model.body(x)
+        generic = model.head(z)
+        loss_g = balanced_softmax_loss(generic, y, inputs["log_counts"])
+        personal = generic.detach() + self.personal_logits(model, z.detach(), inputs["distribution"])
         loss_p = F.cross_entropy(personal, y)
-        losses = ctx.scratch["rod_losses"]
-        losses[0] += float(loss_g.detach())
-        losses[1] += float(loss_p.detach())
-        return loss_g + loss_p
+        return loss_g + loss_p, {"generic_loss": loss_g, "personal_loss": loss_p}
 
     def after_backward(self, ctx: ClientContext) -> None:
         if self.config.personal_optimizer == "plain":
@@ -197,8 +200,8 @@ class FedRoD(FedAvg):
             ctx.flat.params[p] = ctx.global_params[p]  # the P-head never leaves the client
         reply = super().after_local(ctx)
         steps = max(ctx.steps, 1)
-        loss_g, loss_p = ctx.scratch["rod_losses"]
-        reply.metrics.update(generic_loss=loss_g / steps, personal_loss=loss_p / steps)
+        sums = aux_sums(ctx.scratch)
+        reply.metrics.update(generic_loss=sums["generic_loss"] / steps, personal_loss=sums["personal_loss"] / steps)
         return reply
 
     def personalize(self, ctx: ClientContext) -> torch.Tensor | None:

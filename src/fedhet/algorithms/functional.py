@@ -68,3 +68,26 @@ class Frozen:
         tensors = {f"model.{k}": v for k, v in unflatten(self.module.model, params, buffers).items()}
         with torch.no_grad():
             return functional_call(self.module, tensors, (fn, *args))
+
+
+def split_loss(out: torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]) -> tuple[Any, dict[str, Any]]:
+    """``loss`` returns the loss, or (loss, {name: 0-d tensor}) with values a hook reads later (FedRoD's two
+    losses): both executors collect those per step with ``record_aux`` and the hook sums them with ``aux_sums``."""
+    return out if isinstance(out, tuple) else (out, {})
+
+
+def record_aux(scratch: dict[str, Any], aux: dict[str, torch.Tensor]) -> None:
+    """Append one step's extra outputs to the client's lists (kept as tensors: no host sync per step)."""
+    for name, value in aux.items():
+        scratch.setdefault("loss_aux", {}).setdefault(name, []).append(value.detach())
+
+
+def aux_sums(scratch: dict[str, Any]) -> dict[str, float]:
+    """Each extra output summed over the steps, in step order as Python floats (as ``+= float(v)`` per step)."""
+    out: dict[str, float] = {}
+    for name, values in scratch.get("loss_aux", {}).items():
+        total = 0.0
+        for v in torch.stack(values).tolist():
+            total += v
+        out[name] = total
+    return out

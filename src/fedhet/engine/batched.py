@@ -59,7 +59,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from fedhet.algorithms.base import Algorithm, ClientContext, Message, Reply
-from fedhet.algorithms.functional import Apply
+from fedhet.algorithms.functional import Apply, record_aux, split_loss
 from fedhet.data.types import ClientData
 from fedhet.engine.checkpoint import StateFileError
 from fedhet.engine.client import ClientRunner, LocalExecutor, check_finite, failure_record
@@ -311,9 +311,11 @@ class BatchedExecutor:
                 continue
             idx = torch.tensor(ks, device=rows.device)
             batched, shared = self._loss_inputs(ks, members)
-            fn = vmap(grad_and_value(self._own_client_loss), in_dims=(0, 0, 0, 0, None))
+            fn = vmap(grad_and_value(self._own_client_loss, has_aux=True), in_dims=(0, 0, 0, 0, None))
             params = self._param_views(rows.index_select(0, idx))
-            grads, values = fn(params, batch.x[idx], batch.y[idx], batched, shared)
+            grads, (values, aux) = fn(params, batch.x[idx], batch.y[idx], batched, shared)
+            for i, k in enumerate(ks):
+                record_aux(members[k].ctx.scratch, {name: v[i] for name, v in aux.items()})
             flat = torch.cat([grads[name].reshape(len(ks), -1) for name, _, _ in self._layout], dim=1)
             grad_rows.index_copy_(0, idx, flat)
             losses[idx] = values.detach().to(losses.dtype)
@@ -322,7 +324,8 @@ class BatchedExecutor:
             b = batch.lengths[k]
             flat.set_params(rows[k])
             flat.zero_grad()
-            loss = algo.loss(self.runner.model, batch.x[k, :b], batch.y[k, :b], members[k].inputs)
+            loss, aux = split_loss(algo.loss(self.runner.model, batch.x[k, :b], batch.y[k, :b], members[k].inputs))
+            record_aux(members[k].ctx.scratch, aux)
             loss.backward()
             losses[k] = loss.detach()
             grad_rows[k].copy_(flat.grad)
@@ -348,10 +351,10 @@ class BatchedExecutor:
         y: torch.Tensor,
         batched: dict[str, torch.Tensor],
         shared: dict[str, torch.Tensor],
-    ) -> torch.Tensor:
-        """One client's ``algo.loss`` at its row's parameters (vmapped over clients)."""
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One client's ``algo.loss`` at its row's parameters, and its extra outputs (vmapped over clients)."""
         tensors = {f"model.{name}": t for name, t in params.items()}
-        return functional_call(self._apply, tensors, (self.runner.algo.loss, x, y, {**batched, **shared}))
+        return split_loss(functional_call(self._apply, tensors, (self.runner.algo.loss, x, y, {**batched, **shared})))
 
     def _param_views(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         out, offset, m = {}, 0, rows.shape[0]
