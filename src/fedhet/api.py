@@ -109,7 +109,7 @@ def make_config(
     Component names and parameters are checked too (the plug-ins are loaded for that), so a mistake fails here.
     ``runs_here=False`` is for a config that runs on other machines (its ``run.device`` need not exist here)."""
     from fedhet.engine.simulation import resolve_config
-    from fedhet.paths import check_config_paths
+    from fedhet.naming import check_config_paths
 
     raw = config_dict(source, overrides, plugins=plugins, **shortcuts)
     raw.pop("compare", None)  # a comparison's variant list: a single run uses the base setting
@@ -195,7 +195,9 @@ def run(
 
 def run_dir_of(config: Config) -> Path:
     """The folder a run of ``config`` writes: ``run.out_dir/run.name`` (the name derived when unset)."""
-    return Path(config.run.out_dir) / (config.run.name or config.default_name())
+    from fedhet.naming import run_dir
+
+    return run_dir(config)
 
 
 def resume(

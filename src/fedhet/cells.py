@@ -46,6 +46,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from fedhet.config import Config, build_config
 from fedhet.engine.rundir import usable_cores
 from fedhet.errors import ConfigError, FedhetError
+from fedhet.naming import run_dir as run_dir_of
 
 Event = tuple[Any, ...]
 
@@ -75,7 +76,7 @@ class Cell:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.config.run.out_dir) / (self.config.run.name or self.config.default_name())
+        return run_dir_of(self.config)
 
 
 @dataclass
@@ -274,7 +275,7 @@ def _run_cell(name: str, raw: dict[str, Any], overwrite: bool, data: _DataCache,
 
     raw["run"]["progress"] = False  # the cell's own bar would garble the shared display
     cfg = build_config(raw)
-    run_dir = Path(cfg.run.out_dir) / (cfg.run.name or cfg.default_name())
+    run_dir = run_dir_of(cfg)
     emit(("start", name, os.getpid(), cfg.run.rounds))
 
     def log(text: str) -> None:

@@ -94,7 +94,7 @@ def run(
 ) -> None:
     """Train one algorithm on one federated setting; writes a run folder (config, metrics, checkpoints)."""
     from fedhet.engine.rundir import check_run_flags
-    from fedhet.paths import check_config_paths
+    from fedhet.naming import check_config_paths
     from fedhet.plugins import accept_changes
 
     check_run_flags(resume, overwrite)
@@ -389,7 +389,7 @@ def list_cmd(
         raise ConfigError(f"--plugin: {err}") from None
     plugins.load(specs)
     if what == "config":
-        from fedhet.config import config_markdown, config_rows
+        from fedhet.reference import config_markdown, config_rows
 
         if markdown:
             print(config_markdown(), end="")

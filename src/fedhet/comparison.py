@@ -348,7 +348,7 @@ def plan_comparison(
     is a TOML file or its contents (``fedhet.api.config_dict``). The paths they name are checked as ``fedhet run``
     checks them (``writable``: the output folders can be made and written; False for --dry-run)."""
     from fedhet.engine.simulation import resolve_config
-    from fedhet.paths import check_config_paths
+    from fedhet.naming import check_config_paths
 
     base = copy.deepcopy(config) if isinstance(config, dict) else load_raw(config)
     spec = parse_spec(base.pop("compare", {}))

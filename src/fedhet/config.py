@@ -17,8 +17,9 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from fedhet.errors import ConfigError, FedhetError, suggestion
+from fedhet.errors import ConfigError, suggestion
 from fedhet.params import Params, Seed, problem, shown
+from fedhet.registry import section_keys
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -488,30 +489,19 @@ class Config(_Strict):
         return f"{self.algorithm.name}-{self.dataset.name}-{self.partition.name}-s{self.run.seed}"
 
     def default_name(self) -> str:
-        """The run folder's name when ``run.name`` is unset: ``scaffold-fmnist-dirichlet-s0`` for a config whose every
-        other setting is its default, else that plus a short hash of the settings that are not
-        (``scaffold-fmnist-dirichlet-s0-3f9a0c21``), so two configs that differ in anything that changes the numbers
-        (the server optimiser, an algorithm parameter, the learning rate) never share a folder, and ``--resume``
-        with the same config finds it again. What may change on resume (``run.rounds``, display and worker keys,
-        trackers) and where things are (``run.out_dir``, ``run.plugins``) are left out of the hash.
+        """The run folder's name when ``run.name`` is unset: ``fedhet.naming.default_name`` (the hash of the
+        settings that are not their defaults needs the registries, which this module sits under). A method for
+        callers written before naming.py; fedhet's own modules call ``fedhet.naming``."""
+        from fedhet.naming import default_name
 
-        A folder named the old way (``legacy_name``) that holds a run of exactly this config is kept: runs started
-        before the hash existed still resume under ``fedhet run --resume``."""
-        base = self.legacy_name()
-        digest = settings_hash(self)
-        name = f"{base}-{digest}" if digest else base
-        if digest and not _holds_run(Path(self.run.out_dir) / name) and _holds_same_run(self, base):
-            return base
-        return name
-
-    def non_default_settings(self) -> dict[str, Any]:
-        """``"section.key" -> value`` of every setting (components resolved where they can be) that is not its
-        default and is part of what a run computes; what the run folder's default name hashes."""
-        return identity_settings(self)
+        return default_name(self)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
+
+# an unknown component key's message lists the section's own keys first (registry.py never imports the config)
+section_keys({section: field.annotation.model_fields for section, field in Config.model_fields.items()})
 
 # hex characters of the settings hash in a derived run name (32 bits: a collision needs ~65k configs in one folder)
 NAME_HASH_CHARS = 8
@@ -528,101 +518,6 @@ RESUMABLE_CHANGES = (
     "run.max_group",
     "run.client_metrics",  # whether client_metrics.jsonl is written: a copy of what the clients reported
 )
-# settings left out of the name's hash: those a resume may change, where the run and its plug-ins are, the
-# evaluation batch size, the trackers; the name itself
-NAME_IGNORES = ("run.name", "run.out_dir", "run.plugins", *RESUMABLE_CHANGES, "run.eval_batch_size")
-NAME_IGNORED_SECTIONS = ("tracking.",)
-
-
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and prefix == "":
-            out.update(_flatten(value, f"{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def _resolved_and_defaults(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The config with every component parameter filled in, and the defaults to compare it with; where a component
-    cannot be resolved (its plug-in not loaded yet, a wrong name: make_config words that), the config as given."""
-    defaults = _flatten(Config.model_construct().to_dict())
-    raw = cfg.to_dict()
-    try:
-        from fedhet import plugins
-
-        plugins.load(cfg.run.plugins)
-        for section, registry in component_registries():
-            comp = getattr(cfg, section)
-            entry, parsed = registry.parse(comp.name, comp.params())
-            if parsed is not None:
-                raw[section] = {**raw[section], "name": entry.name, **parsed.model_dump(mode="json")}
-                try:
-                    params = entry.params().model_dump(mode="json")
-                except ValidationError:  # a parameter without a default: every value counts as set
-                    params = {}
-                defaults.update({f"{section}.{k}": v for k, v in params.items()})
-    except (FedhetError, ImportError, ValueError):
-        pass
-    return raw, defaults
-
-
-def identity_settings(cfg: Config) -> dict[str, Any]:
-    """See ``Config.non_default_settings``. The names ``legacy_name`` shows (algorithm, dataset, partitioner, seed)
-    are left out (they are in the name), and so is a ``partition.seed`` equal to ``run.seed`` (the same partition)."""
-    raw, defaults = _resolved_and_defaults(cfg)
-    flat = _flatten(raw)
-    if flat.get("partition.seed") == flat.get("run.seed"):
-        flat["partition.seed"] = None
-    shown_in_name = ("algorithm.name", "dataset.name", "partition.name", "run.seed")
-    skip = (*NAME_IGNORES, *shown_in_name)
-    return {
-        key: value
-        for key, value in sorted(flat.items())
-        if key not in skip and not key.startswith(NAME_IGNORED_SECTIONS) and defaults.get(key, _MISSING) != value
-    }
-
-
-_MISSING = object()
-
-
-def settings_hash(cfg: Config) -> str:
-    """``NAME_HASH_CHARS`` hex characters of SHA-256 over the non-default settings, or "" when there are none."""
-    import hashlib
-
-    settings = identity_settings(cfg)
-    if not settings:
-        return ""
-    text = json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:NAME_HASH_CHARS]
-
-
-def _holds_run(folder: Path) -> bool:
-    from fedhet.engine.rundir import holds_run
-
-    try:
-        return holds_run(folder)
-    except OSError:
-        return False
-
-
-def _holds_same_run(cfg: Config, name: str) -> bool:
-    """Whether ``run.out_dir/name`` holds a run whose saved config is this one (as far as a resume compares them):
-    a folder named before derived names had a hash."""
-    folder = Path(cfg.run.out_dir) / name
-    saved_path = folder / "config.json"
-    if not _holds_run(folder) or not saved_path.is_file():
-        return False
-    try:
-        from fedhet.engine.simulation import config_changes, resolve_config
-
-        saved = json.loads(saved_path.read_text(encoding="utf-8"))
-        return isinstance(saved, dict) and not config_changes(saved, resolve_config(cfg))
-    except (OSError, ValueError, TypeError, KeyError, FedhetError):
-        return False
-
-
 def format_validation_error(err: ValidationError) -> str:
     """One line: each problem ('train.lr: must be greater than 0 (got -1)'), then, for unknown keys, the valid keys of
     each section they were found in."""
@@ -760,164 +655,14 @@ def saved_run_config(run_dir: str | Path, overrides: list[str] | None = None) ->
     return build_config(raw)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The reference of every config key (docs/config.md, `fedhet list config`), generated from the models themselves:
-# each key's type and default from pydantic, its description from the comments beside it in the source, so it
-# cannot drift from the code (tests/test_cli_consistency.py compares docs/config.md with config_markdown()).
+# Moved above the registries they list (fedhet/reference.py): importable from here for callers written before
+# (tests/test_cli_consistency.py); no fedhet module imports them from here.
+_MOVED = ("config_rows", "config_markdown")
 
 
-def _field_comments(model: type) -> dict[str, str]:
-    """field name -> the comment above it (its own lines) and the one after it, from the source of ``model`` and
-    the classes it derives from (a subclass's comment wins)."""
-    import inspect
-    import textwrap
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from fedhet import reference
 
-    out: dict[str, str] = {}
-    for cls in reversed(model.__mro__):
-        if cls.__module__.startswith(("pydantic", "builtins")) or cls is Params:
-            continue
-        try:
-            source = textwrap.dedent(inspect.getsource(cls))
-        except (OSError, TypeError):
-            continue
-        lines = source.splitlines()
-        tree = ast.parse(source)
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for node in body:
-            if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-                continue
-            above = []
-            i = node.lineno - 2
-            while i >= 0 and lines[i].strip().startswith("#"):
-                above.insert(0, lines[i].strip().lstrip("#").strip())
-                i -= 1
-            last = lines[node.end_lineno - 1]
-            after = last.split("  # ", 1)[1].strip() if "  # " in last else ""
-            text = " ".join(part for part in (" ".join(above), after) if part)
-            if text:
-                out[node.target.id] = text
-    return out
-
-
-def _type_name(tp: Any) -> str:
-    import typing
-
-    origin = typing.get_origin(tp)
-    if origin is typing.Literal:
-        return " | ".join(json.dumps(a) for a in typing.get_args(tp))
-    if origin is typing.Annotated:
-        return _type_name(typing.get_args(tp)[0])
-    if origin is not None:
-        args = [a for a in typing.get_args(tp)]
-        name = getattr(origin, "__name__", str(origin))
-        if name in ("Union", "UnionType"):
-            return " | ".join(_type_name(a) for a in args)
-        return f"{name}[{', '.join(_type_name(a) for a in args if a is not Ellipsis)}]"
-    if tp is type(None):
-        return "None"
-    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
-
-
-def _default_text(field: Any) -> str:
-    from pydantic_core import PydanticUndefined
-
-    if field.default is PydanticUndefined and field.default_factory is None:
-        return "(required)"
-    value = field.get_default(call_default_factory=True)
-    if isinstance(value, Params):
-        return "(section)"
-    return json.dumps(value) if value is None or isinstance(value, bool | str | list | tuple) else repr(value)
-
-
-_BOUNDS = (("ge", "≥"), ("gt", ">"), ("le", "≤"), ("lt", "<"), ("min_length", "length ≥"))
-
-
-def _bounds(field: Any) -> str:
-    """`` ≥ 1`` / `` > 0, ≤ 1``: the limits pydantic checks (Field(ge=..., ...))."""
-    out = []
-    for item in field.metadata:
-        for attr, sign in _BOUNDS:
-            value = getattr(item, attr, None)
-            if value is not None:
-                out.append(f"{sign} {value}")
-    return f" ({', '.join(out)})" if out else ""
-
-
-def _model_rows(prefix: str, model: type, skip: tuple[str, ...] = ()) -> list[tuple[str, str, str, str]]:
-    comments = _field_comments(model)
-    return [
-        (f"{prefix}{name}", _type_name(field.annotation) + _bounds(field), _default_text(field), comments.get(name, ""))
-        for name, field in model.model_fields.items()
-        if name not in skip
-    ]
-
-
-def config_rows() -> list[tuple[str, str, str, str]]:
-    """(key, type, default, description) of every section key of the config (``run.rounds``, ...)."""
-    rows = []
-    for section, field in Config.model_fields.items():
-        rows += _model_rows(f"{section}.", field.annotation)
-    return rows
-
-
-def component_registries() -> tuple[tuple[str, Any], ...]:
-    """The config sections that name a registered component, with their registries (the engine reads them here)."""
-    from fedhet.algorithms import ALGORITHMS, SERVER_OPTIMIZERS
-    from fedhet.data.datasets import DATASETS
-    from fedhet.data.partition import PARTITIONERS
-    from fedhet.models import MODELS
-
-    return (
-        ("dataset", DATASETS),
-        ("partition", PARTITIONERS),
-        ("model", MODELS),
-        ("algorithm", ALGORITHMS),
-        ("server", SERVER_OPTIMIZERS),
-    )
-
-
-def component_rows() -> list[tuple[str, str, list[tuple[str, str, str, str]]]]:
-    """(section, component name, rows) of every registered component's own parameters (``algorithm.mu`` when
-    ``algorithm.name = "fedprox"``), plug-ins loaded in this process included."""
-    out = []
-    for section, registry in component_registries():
-        for entry in registry.entries():
-            if entry.params is not None and entry.params.model_fields:
-                out.append((section, entry.name, _model_rows(f"{section}.", entry.params)))
-    return out
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def config_markdown() -> str:
-    """docs/config.md: every section key, then every built-in component's parameters (as loaded in this process)."""
-
-    def table(rows: list[tuple[str, str, str, str]]) -> list[str]:
-        out = ["| key | type | default | description |", "| --- | --- | --- | --- |"]
-        out += [f"| `{k}` | {_cell(t)} | `{_cell(d)}` | {_cell(c)} |" for k, t, d, c in rows]
-        return out
-
-    lines = [
-        "# Config reference",
-        "",
-        "<!-- Generated by `fedhet list config --markdown > docs/config.md`; do not edit by hand: "
-        "tests/test_cli_consistency.py fails when it differs from the code. -->",
-        "",
-        "Every key a TOML file (`[section]` tables), an override (`-s section.key=value`) or a Python dict",
-        '(`{"section": {"key": value}}`) can set. Unknown keys are errors. Relative paths: the plug-in files a TOML',
-        "file names (`run.plugins`) are taken from the TOML file's folder (so a config and its plug-in move together);",
-        "`run.out_dir`, `dataset.data_dir` and the `[tracking]` folders from the working directory (a run's outputs go",
-        "where it is started; a Flower app's on the SuperLink). `-s`, `--plugin` and Python values: the working",
-        "directory.",
-        "A component section (`dataset`, `partition`, `model`, `algorithm`, `server`) also takes the parameters of the",
-        "component its `name` picks; they are listed after the sections (`fedhet list algorithms` shows them too).",
-        "",
-    ]
-    for section, field in Config.model_fields.items():
-        lines += [f"## [{section}]", "", *table(_model_rows(f"{section}.", field.annotation)), ""]
-    lines += ["# Component parameters", ""]
-    for section, name, rows in component_rows():
-        lines += [f'## {section}.name = "{name}"', "", *table(rows), ""]
-    return "\n".join(lines)
+    return getattr(reference, name)

@@ -7,18 +7,25 @@ Every entry carries a one-line summary and, optionally, a pydantic model of its 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from fedhet.config import Config
 from fedhet.errors import ConfigError, suggestion, unknown_choice
 from fedhet.params import Params, problem, shown
 
 # registry kind -> the config section whose `name` picks one of its entries ("partitioner" -> "partition")
 _SECTION_OF: dict[str, str] = {}
+# config section -> its own keys ("partition" -> name, num_clients, seed, ...), given by fedhet/config.py when it loads
+# (section_keys): the config sits above the components it validates, so the registries never import it
+_SECTION_KEYS: dict[str, tuple[str, ...]] = {}
+
+
+def section_keys(keys: dict[str, Iterable[str]]) -> None:
+    """Record each config section's own keys, which an unknown key's message lists before the component's."""
+    _SECTION_KEYS.update({section: tuple(names) for section, names in keys.items()})
 
 
 def unknown_keys(kind: str, name: str, keys: list[str], params: list[str]) -> str:
@@ -30,7 +37,7 @@ def unknown_keys(kind: str, name: str, keys: list[str], params: list[str]) -> st
         return (
             f"unknown key {', '.join(map(shown, keys))} for {kind} {name!r}; valid: {', '.join(params) or 'none'}{hint}"
         )
-    own = list(Config.model_fields[section].annotation.model_fields)
+    own = list(_SECTION_KEYS.get(section, ("name",)))  # ("name",): a registry used before any config was loaded
     unknown = "; ".join(f"unknown key {shown(f'{section}.{key}')}" for key in keys)
     valid = own + params
     hint = "".join(suggestion(key, valid, f"{section}.") for key in keys)

@@ -41,6 +41,7 @@ from fedhet.engine.training import (  # noqa: F401  (the names below were this m
     training_federation,
 )
 from fedhet.errors import DiskFull, RunFailed
+from fedhet.naming import run_name
 from fedhet.results.store import write_json_atomic
 from fedhet.results.trackers import Trackers
 
@@ -61,7 +62,7 @@ class Simulation:
     ) -> None:
         self.cfg, self.on_round = cfg, on_round  # on_round: told (rounds done, that round's record or None)
         self.resolved = resolve_config(cfg)
-        self.name = cfg.run.name or cfg.default_name()
+        self.name = run_name(cfg)
         self.run_dir = Path(cfg.run.out_dir) / self.name
         self.display = RunDisplay(console or Console(stderr=True), self.name, cfg.run.rounds, cfg.run.progress)
         self.eval_fed = fed if fed is not None else build_federation(cfg)  # the partition's clients, evaluated

@@ -17,7 +17,8 @@ from fedhet.algorithms.base import AlgoConfig
 from fedhet.algorithms.gne import GNE
 from fedhet.algorithms.robust import RULES as ROBUST_RULES
 from fedhet.algorithms.robust import RobustAggregator
-from fedhet.config import RESUMABLE_CHANGES, Config, component_registries
+from fedhet.components import component_registries
+from fedhet.config import RESUMABLE_CHANGES, Config
 from fedhet.data.augment import build_augment
 from fedhet.data.federated import FederatedDataset, federate
 from fedhet.engine.attack import Attack

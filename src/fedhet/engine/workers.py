@@ -171,7 +171,7 @@ def orphaned() -> None:
 def main_components(cfg: Config | dict[str, Any]) -> list[str]:
     """The components a config (or its ``to_dict()``) uses that were registered in ``__main__`` (a script or a
     notebook), as "algorithm 'x'": a worker process never imports ``__main__``, so none of them exists there."""
-    from fedhet.config import component_registries
+    from fedhet.components import component_registries
 
     raw = cfg.to_dict() if isinstance(cfg, Config) else cfg
     found = []

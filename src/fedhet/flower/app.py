@@ -32,6 +32,7 @@ from fedhet.errors import ConfigError, FedhetError
 from fedhet.flower.client import make_client_app
 from fedhet.flower.secagg import SECAGG, SecAggSettings, SecureAggregation, algorithm_refusal, refusal
 from fedhet.flower.server import Exchange, FlowerExecutor, Nodes, discover, server_federation
+from fedhet.naming import run_name
 
 # Flower run config keys of a fedhet app, with their defaults (Flower only accepts overrides of declared keys).
 RUN_CONFIG: dict[str, Any] = {
@@ -123,7 +124,7 @@ def run_server(grid: Grid, cfg: Config, options: RunOptions, console: Console | 
             raise ConfigError(f"secure-aggregation={SECAGG!r}: {why}")
     nodes = discover(grid, cfg.partition.num_clients, options.node_wait)
     fed = server_federation(cfg, nodes)
-    name = cfg.run.name or cfg.default_name()
+    name = run_name(cfg)
     executor = FlowerExecutor(
         grid,
         nodes,

@@ -137,7 +137,8 @@ def simulate_cmd(
     from fedhet.engine.rundir import check_run_flags
     from fedhet.flower.app import RunOptions
     from fedhet.flower.raysim import run_ray_simulation
-    from fedhet.paths import check_config_paths, check_folder
+    from fedhet.naming import check_config_paths
+    from fedhet.paths import check_folder
 
     check_run_flags(resume, overwrite)
     if node_state_dir is not None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from fedhet.config import Config
 from fedhet.flower.app import RunOptions, make_client_app, make_server_app
+from fedhet.naming import run_dir as run_dir_of
 from fedhet.results.store import read_json
 
 
@@ -42,7 +43,7 @@ def run_ray_simulation(
         # The actors' own log lines (Flower's "Manually terminating ClientAppActor" as the pool shuts down, at a
         # moment that races the driver's exit) would reach this console; a ClientApp that fails still raises here.
         init_args["log_to_driver"] = False
-    run_dir = Path(cfg.run.out_dir) / (cfg.run.name or cfg.default_name())
+    run_dir = run_dir_of(cfg)
     # absolute: Ray's workers need not share this process's working directory
     root = str(Path(node_state_dir or run_dir / "node_state").expanduser().resolve()) if node_state else None
     with warnings.catch_warnings():

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedhet.paths import MLFLOW_ARTIFACTS, MLFLOW_DB, sqlite_path
 from fedhet.results.store import read_json, to_json, write_json_atomic
 
 # config flag -> (module imported, package to install)
@@ -50,8 +51,6 @@ PACKAGES = {
     "wandb": ("wandb", "wandb"),
 }
 STATE_FILE = "trackers.json"
-MLFLOW_DB = "mlflow.db"  # the default MLflow store, in run.out_dir
-MLFLOW_ARTIFACTS = "mlartifacts"  # the artifacts of the runs in a SQLite store: beside the database
 
 
 def check_installed(flag: str) -> None:
@@ -129,14 +128,6 @@ class TensorBoardTracker:
 def default_mlflow_uri(out_dir: Path) -> str:
     """The MLflow store a run writes to unless ``tracking.mlflow_uri`` names one: SQLite in ``run.out_dir``."""
     return "sqlite:///" + str((out_dir / MLFLOW_DB).resolve())
-
-
-def sqlite_path(uri: str) -> Path | None:
-    """The database file of a ``sqlite:///`` URI; None for any other store."""
-    if not uri.startswith("sqlite:///"):
-        return None
-    path = uri[len("sqlite:///") :].split("?", 1)[0]
-    return None if path in ("", ":memory:") else Path(path)
 
 
 @contextmanager
