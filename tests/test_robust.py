@@ -232,3 +232,65 @@ def test_attacked_robust_run_resumes_bit_exact(tiny_config, kill_and_resume):
     ]
     assert "robust/geomed_iterations" in r_full[-1] and "robust/bounded_fraction" in r_full[-1]
     torch.testing.assert_close(full.algo.global_params, resumed.algo.global_params, rtol=0, atol=0)
+
+
+def test_update_and_data_attacks_by_hand(tiny_config):
+    from types import SimpleNamespace
+
+    from fedhet.algorithms.contract import Message, Reply
+    from fedhet.engine.attack import Attack
+
+    fed = SimpleNamespace(name="toy", num_classes=10, num_clients=4, white_value=(2.0,), input_shape=(1, 4, 4))
+    x = torch.tensor([1.0, 1.0])
+    msg = Message(tensors={"params": x}, scalars={})
+
+    def replied(kind, **extra):
+        cfg = tiny_config(attack={"kind": kind, "fraction": 1.0, **extra}).attack
+        reply = Reply(tensors={"params": x + torch.tensor([0.5, -1.0])}, num_examples=1, metrics={})
+        Attack(cfg, fed, 0).corrupt(2, 3, 0, msg, reply)
+        return reply.tensors["params"]
+
+    torch.testing.assert_close(replied("sign_flip", flip_scale=2.0), x + torch.tensor([-1.0, 2.0]))
+    torch.testing.assert_close(replied("scale", scale=3.0), x + torch.tensor([1.5, -3.0]))
+    noise = replied("gaussian", std=0.5) - x
+    assert not torch.equal(noise, torch.tensor([0.5, -1.0])) and torch.equal(replied("gaussian", std=0.5) - x, noise)
+    flip = Attack(tiny_config(attack={"kind": "label_flip", "fraction": 1.0}).attack, fed, 0).poison(0)
+    assert flip(torch.zeros(3, 1, 4, 4), torch.tensor([0, 3, 9]))[1].tolist() == [9, 6, 0]
+    cfg = tiny_config(attack={"kind": "backdoor", "fraction": 0.5, "target": 7, "poison_fraction": 0.5}).attack
+    attack = Attack(cfg, fed, 0)
+    honest = next(c for c in range(4) if c not in attack.malicious)
+    assert len(attack.malicious) == 2 and attack.poison(honest) is None
+    xb, yb = attack.poison(min(attack.malicious))(torch.zeros(3, 1, 4, 4), torch.tensor([1, 2, 3]))
+    assert yb.tolist() == [7, 7, 3]  # ceil(0.5 * 3) = 2 poisoned
+    assert xb[:2, :, 1:, 1:].eq(2.0).all() and xb[2].eq(0).all() and xb[:, :, 0].eq(0).all()
+
+
+def test_attacks_over_flower_match_the_simulation(tiny_config):
+    import os
+
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    pytest.importorskip("flwr")
+    from fedhet.flower.app import RunOptions, run_server
+    from fedhet.flower.client import make_client_app
+    from fedhet.flower.loopback import LoopbackGrid
+
+    def cfg(name):
+        return tiny_config(
+            run={"rounds": 2, "name": name},
+            partition={"num_clients": 4},
+            server={"aggregation": "median"},
+            attack={"kind": "backdoor", "fraction": 0.5},
+        )
+
+    local = Simulation(cfg("local"))
+    local.run()
+    nodes = {101: {"partition-ids": "0,1"}, 202: {"partition-ids": "2-3"}}
+    grid = LoopbackGrid(make_client_app(lambda _: cfg("flower")), nodes)
+    assert run_server(grid, cfg("flower"), RunOptions())["status"] == "finished"
+    flower_dir = local.run_dir.parent / "flower"
+    mine, theirs = (
+        [{k: v for k, v in r.items() if k != "elapsed_s"} for r in read_metrics(d / "metrics.jsonl")]
+        for d in (local.run_dir, flower_dir)
+    )
+    assert mine == theirs and "attack/asr" in mine[-1]
+    assert (flower_dir / "attack.json").read_text() == (local.run_dir / "attack.json").read_text()
