@@ -73,7 +73,13 @@ def test_secaggplus_refuses_central_dp_and_robust_aggregators(tiny_config, secti
         )
 
 
-def test_secaggplus_with_local_dp_sgd_finishes(tiny_config):
-    cfg = make_cfg(tiny_config, "secure_local_dp", privacy={"mode": "local", "clip": 1.0, "noise_multiplier": 1.0})
+@pytest.mark.parametrize(
+    "sections",
+    [{"privacy": {"mode": "local", "clip": 1.0, "noise_multiplier": 1.0}}, {"attack": {"kind": "sign_flip"}}],
+    ids=["local_dp", "sign_flip"],
+)
+def test_secaggplus_runs_with_local_dp_sgd_and_with_attacks(tiny_config, sections):
+    """Both act on the client, before its update is masked."""
+    cfg = make_cfg(tiny_config, "secure", **sections)
     options = RunOptions(secure_aggregation=SecAggSettings())
     assert run_server(LoopbackGrid(make_client_app(lambda _: cfg), NODES), cfg, options)["status"] == "finished"
