@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The one-shot GPU check of issue 29, for the device tool's `run` (15 minutes of device time in all): run it as
+#     run(command="bash benchmarks/gpu_device.sh", carry=[".venv"], timeout_s=480)
+# which leaves room for one rerun. It installs nothing. It needs a Python whose torch sees CUDA: the carried .venv
+# if its torch is a CUDA build, else the machine's python3 (with fedhet's src/ on PYTHONPATH; fedhet's dependencies
+# must then be importable there). Results land in $OUT (gpu.json, gpu.md, the test and nvidia-smi output).
+set -u
+OUT=${OUT:-runs/gpu-bench}
+mkdir -p "$OUT"
+PY=""
+for candidate in .venv/bin/python python3 python; do
+    if command -v "$candidate" >/dev/null 2>&1 &&
+        "$candidate" -c "import sys, torch, pydantic; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+        PY=$candidate
+        break
+    fi
+done
+if [ -z "$PY" ]; then
+    echo "no Python here has a torch that sees CUDA (and pydantic); nvidia-smi says:"
+    nvidia-smi || true
+    exit 2
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=4 FLWR_TELEMETRY_ENABLED=0
+echo "python: $PY ($("$PY" -c 'import torch; print(torch.__version__, torch.version.cuda)'))"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/nvidia-smi.csv"
+# the GPU tests of the batched executor (equality at a GPU tolerance, no host sync per step): about 30 s
+timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "batched or sync" 2>&1 | tail -15 |
+    tee "$OUT/test_cuda.txt"
+# rounds 2-4 are timed (4 rounds, not 6, so every case fits in one call); Flower runs last
+timeout 330 "$PY" benchmarks/gpu.py --device cuda --rounds 4 --flower --out "$OUT" 2>&1 | grep -v "^warning" |
+    tee "$OUT/bench.log"
+cat "$OUT/gpu.md"
