@@ -253,7 +253,8 @@ class Algorithm:
         """The loss the loop differentiates: ``loss`` on the client's model. Override ``loss`` and ``loss_inputs``
         rather than this, so the batched executor can run the same loss (algorithms/functional.py)."""
         loss, aux = split_loss(self.loss(ctx.model, x, y, self.loss_inputs(ctx)))
-        record_aux(ctx.scratch, aux)
+        if aux:
+            record_aux(ctx.scratch, aux)
         return loss
 
     def loss_inputs(self, ctx: ClientContext) -> dict[str, torch.Tensor]:
