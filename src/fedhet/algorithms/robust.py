@@ -34,15 +34,10 @@ from collections.abc import Callable
 
 import torch
 
+from fedhet.algorithms.privacy import clip_rows
+
 RULES = ("median", "trimmed_mean", "krum", "multikrum", "geomed")
 GEOMED_FTOL = 1e-6  # ours: relative improvement of the weighted distance sum below which Weiszfeld stops
-
-
-def bound_norms(deltas: torch.Tensor, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row scaled to norm at most ``bound``, and the rows' norms before."""
-    norms = deltas.norm(dim=1)
-    scale = (bound / norms.clamp_min(1e-12)).clamp(max=1.0)
-    return deltas * scale[:, None].to(deltas.dtype), norms
 
 
 def coordinate_median(deltas: torch.Tensor) -> torch.Tensor:
@@ -128,7 +123,7 @@ class RobustAggregator:
         deltas = torch.stack([p - x for p in params])
         self.last = {}
         if self.norm_bound is not None:
-            deltas, norms = bound_norms(deltas, self.norm_bound)
+            deltas, norms = clip_rows(deltas, self.norm_bound)  # as central DP clips (privacy.py)
             self.last["robust/bounded_fraction"] = float((norms > self.norm_bound).double().mean())
         if self.rule not in RULES:
             return average([x + u for u in deltas], weights)
