@@ -53,19 +53,20 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: in
     batch_size = eval_batch_size(model, batch_size)
     was_training = model.training
     model.eval()
-    loss_sum = 0.0
-    correct = torch.zeros(num_classes, dtype=torch.float64)
-    hits = []
+    losses, hits = [], []  # kept on the device and read once at the end: a GPU never waits between batches
     for start in range(0, len(y), batch_size):
         xb, yb = x[start : start + batch_size], y[start : start + batch_size]
         logits = model(xb)
-        loss_sum += float(F.cross_entropy(logits, yb, reduction="sum"))
-        hit = (logits.argmax(1) == yb).cpu()
-        hits.append(hit)
-        correct.index_add_(0, yb.cpu(), hit.to(torch.float64))
-    count = torch.bincount(y.cpu(), minlength=num_classes).numpy().astype(np.float64)
+        losses.append(F.cross_entropy(logits, yb, reduction="sum").float())
+        hits.append(logits.argmax(1) == yb)
     model.train(was_training)
-    return EvalStats(loss_sum, correct.numpy(), count, torch.cat(hits).numpy() if hits else np.zeros(0, bool))
+    loss_sum = 0.0
+    for value in torch.stack(losses).tolist() if losses else []:  # the float sum of one float() per batch
+        loss_sum += value
+    hit = torch.cat(hits).cpu() if hits else torch.zeros(0, dtype=torch.bool)
+    correct = torch.zeros(num_classes, dtype=torch.float64).index_add_(0, y.cpu(), hit.to(torch.float64))
+    count = torch.bincount(y.cpu(), minlength=num_classes).numpy().astype(np.float64)
+    return EvalStats(loss_sum, correct.numpy(), count, hit.numpy())
 
 
 @torch.no_grad()
