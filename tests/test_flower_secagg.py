@@ -17,6 +17,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # no calls home from Flowe
 pytest.importorskip("flwr")
 
 from fedhet.engine.checkpoint import read_checkpoint  # noqa: E402
+from fedhet.engine.training import build_federation  # noqa: E402
 from fedhet.errors import ConfigError  # noqa: E402
 from fedhet.flower.app import RUN_CONFIG, RunOptions, run_server, secure_settings  # noqa: E402
 from fedhet.flower.client import make_client_app  # noqa: E402
@@ -106,3 +107,30 @@ def test_run_config_keys_and_flowers_own_parameter_checks(tiny_config):
         secure_settings({**RUN_CONFIG, "secure-aggregation": "secagg"})
     with pytest.raises(ConfigError, match="reconstruction_threshold"):  # Flower: threshold below num_shares
         run(make_cfg(tiny_config, "bad"), SecAggSettings(num_shares=3, threshold=3))
+
+
+def test_a_client_that_fails_mid_protocol_is_unmasked_by_the_others(tiny_config, monkeypatch):
+    """Client 2 raises while training (after the key exchange): SecAgg+ removes its masks with the other nodes'
+    shares, and the model is FedAvg of clients 0 and 1, as in the plain run that drops client 2 too."""
+    from fedhet.engine.client import ClientRunner
+
+    honest = ClientRunner.run
+
+    def flaky(self, cid, *args, **kwargs):
+        if cid == 2:
+            raise RuntimeError("client 2 lost its disk")
+        return honest(self, cid, *args, **kwargs)
+
+    monkeypatch.setattr(ClientRunner, "run", flaky)
+    settings = SecAggSettings()
+    _, plain_grid, plain = run(make_cfg(tiny_config, "plain"), None)
+    _, grid, secure = run(make_cfg(tiny_config, "secure"), settings)
+    train_replies = [r for r in plain_grid.pulled if r.metadata.message_type == "train" and not r.has_error()]
+    sizes = [int(r.content["fedhet.metrics"]["num-examples"]) for r in train_replies]
+    assert len(sizes) == 2
+    largest = max(float(abs(r.content["fedhet.tensors"]["params"].numpy()).max()) for r in train_replies)
+    max_weight = max(len(c.y) for c in build_federation(make_cfg(tiny_config, "x")).clients)
+    bound = settings.error_bound(2, sum(sizes) / max_weight, largest)
+    assert 0 < (secure - plain).abs().max() <= bound
+    failures = (Path(tiny_config().run.out_dir) / "secure" / "failures.jsonl").read_text()
+    assert "client 2 lost its disk" in failures

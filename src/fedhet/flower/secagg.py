@@ -234,7 +234,6 @@ class SecureAggregation:
         self.settings = settings
         self.max_weight = float(max_weight)
         self.workflow = settings.workflow(self.max_weight, timeout)
-        self.seen: list[FlowerMessage] = []  # every reply a node sent (tests check none holds a model)
 
     def meta(self) -> dict[str, Any]:
         s = self.settings
@@ -263,7 +262,6 @@ class SecureAggregation:
         trained: list[FlowerMessage] = []
         for stage, step in zip(stages, steps, strict=True):
             ok = step(grid, context, state)
-            self.seen.extend(grid.replies)
             if stage == "setup":
                 state.nid_to_fitins = {n: sent[c].content for n, c in cid_of.items()}
             if stage == "collect masked vectors":
