@@ -294,3 +294,14 @@ def test_attacks_over_flower_match_the_simulation(tiny_config):
     )
     assert mine == theirs and "attack/asr" in mine[-1]
     assert (flower_dir / "attack.json").read_text() == (local.run_dir / "attack.json").read_text()
+
+
+def test_a_run_saved_before_robustness_and_attacks_resumes(tiny_config):
+    from fedhet.engine.simulation import config_changes
+
+    current = resolve_config(tiny_config())
+    new_keys = ("trim_fraction", "byzantine", "multikrum_m", "geomed_iters", "geomed_eps", "norm_bound")
+    saved = {k: v for k, v in current.items() if k != "attack"}
+    saved["server"] = {k: v for k, v in current["server"].items() if k not in new_keys}
+    assert config_changes(saved, current) == []
+    assert config_changes(saved, resolve_config(tiny_config(attack={"kind": "label_flip"})))
