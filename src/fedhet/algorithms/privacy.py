@@ -116,6 +116,7 @@ class CentralDP:
         self.releases = 0  # privatised aggregations so far: epsilon is a function of this count
         self.mean_steps = 1  # local steps of a mean-sized client (set by the engine): a public scale for SCAFFOLD
         self.last: dict[str, float] = {}
+        _ = self.update_noise  # a clipped-count noise too small for z is refused before round 1
 
     @property
     def update_noise(self) -> float:
