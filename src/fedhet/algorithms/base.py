@@ -213,13 +213,16 @@ class Algorithm:
 
     # ----------------------------------------------------------------- client side
     # True: several clients of a phase may be trained as one batched computation (engine/batched.py). A class
-    # declares it only if it keeps the default ``local_loss`` and ``client_update`` and its hooks use nothing but
+    # declares it only if it keeps the default ``local_loss`` (its own loss goes in ``loss`` / ``loss_inputs``, which
+    # the batched executor runs under vmap) and ``client_update`` and its hooks use nothing but
     # the flat vectors (``ctx.flat.params`` / ``grad`` / ``get_params`` / ``set_params``), ``ctx.message``,
     # ``ctx.state``, ``ctx.scratch``, ``ctx.data``, ``ctx.lr``, ``ctx.steps`` and ``ctx.generator``: never
     # ``ctx.model``, the global RNG or ``ctx.scratch["optimizer"]``; ``ctx.loss_sum`` is filled in only before
     # ``after_local``. Each hook then runs on its client's row of the stacked parameters. Not inherited: a subclass
-    # that changes the loss (FedLC, MOON, ...) is sequential unless it declares it too.
+    # that changes the loss is sequential unless it declares it too. A class that cannot be batched says why in
+    # one line, ``unbatchable_reason`` (inherited by its variants; tests/test_batched.py checks every algorithm).
     batchable: ClassVar[bool] = False
+    unbatchable_reason: ClassVar[str | None] = None
     # True: local DP-SGD (``privacy.mode = "local"``) covers everything this client sends. A class declares it (not
     # inherited) when its ``local_loss`` is a sum of per-sample terms that vmap can take one sample at a time and no
     # other hook reads the client's data, so the reply is computed from privatised gradients only.

@@ -41,8 +41,10 @@ autocast, as the sequential loop does its forward.
 
 What it supports, checked before every phase (otherwise the phase runs sequentially, same results):
 
-* algorithms whose class declares ``batchable = True`` (see ``Algorithm.batchable``): the default loss and hooks
-  that touch only the flat vectors, the client's state and scratch, never ``ctx.model``;
+* algorithms whose class declares ``batchable = True`` (see ``Algorithm.batchable``): the default loss or their own
+  functional ``loss`` (algorithms/functional.py: run under vmap with each client's ``loss_inputs``; full batches
+  vmapped per set of same-shaped inputs, short ones row by row, so no loss sees padding) and hooks that touch only
+  the flat vectors, the client's state and scratch, never ``ctx.model``; the others give ``unbatchable_reason``;
 * models without floating buffers (BatchNorm running statistics), active dropout (its random stream cannot match
   the sequential one under vmap) or recurrent layers.
 """
