@@ -124,6 +124,7 @@ def test_inconsistent_privacy_settings_are_one_line(sections, message):
         ({"algorithm": {"name": "fednh"}}, "fednh's server does not take"),
         ({"server": {"name": "sgd", "aggregation": "gne"}}, "cannot be combined with server.aggregation='gne'"),
         ({"train": {"sampling": "dynamic"}}, "drawn uniformly without replacement"),
+        ({"algorithm": {"name": "centralized"}}, "centralized pools their data into one client"),
     ],
 )
 def test_central_dp_refuses_what_it_cannot_privatise(tiny_config, sections, message):

@@ -84,6 +84,8 @@ def check_privacy(cfg: Config) -> None:
             f"train.sampling={cfg.train.sampling!r} picks them from their results (use train.sampling='uniform')"
         )
     algo = ALGORITHMS.get(cfg.algorithm.name).obj
+    if algo.pools_clients:
+        raise ConfigError(f"privacy.mode={mode!r} protects clients; {algo.name} pools their data into one client")
     if mode == "central":
         if cfg.server.aggregation != "weights":
             raise ConfigError(
