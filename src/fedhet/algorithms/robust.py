@@ -65,14 +65,14 @@ def krum_scores(deltas: torch.Tensor, byzantine: int) -> torch.Tensor:
     neighbours = max(n - byzantine - 2, 1)
     dist.fill_diagonal_(math.inf)
     if n == 1:
-        return torch.zeros(1, dtype=torch.float64)
+        return torch.zeros(1, dtype=torch.float64, device=deltas.device)
     return dist.sort(dim=1).values[:, :neighbours].sum(1)
 
 
 def krum_select(deltas: torch.Tensor, byzantine: int, m: int) -> list[int]:
     """Indices of the m deltas with the smallest Krum scores (ties to the lower index)."""
-    scores = krum_scores(deltas, byzantine)
-    order = sorted(range(len(scores)), key=lambda i: (float(scores[i]), i))
+    scores = krum_scores(deltas, byzantine).tolist()  # one device sync
+    order = sorted(range(len(scores)), key=lambda i: (scores[i], i))
     return sorted(order[: max(1, min(m, len(order)))])
 
 
@@ -127,7 +127,7 @@ class RobustAggregator:
             self.last["robust/bounded_fraction"] = float((norms > self.norm_bound).double().mean())
         if self.rule not in RULES:
             return average([x + u for u in deltas], weights)
-        return x + self.combine(deltas, torch.tensor(weights, dtype=torch.float64)).to(x.dtype)
+        return x + self.combine(deltas, torch.tensor(weights, dtype=torch.float64, device=x.device)).to(x.dtype)
 
     def combine(self, deltas: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.rule == "median":
