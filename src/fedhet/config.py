@@ -1,9 +1,9 @@
 """Run configuration: TOML file + dotted overrides -> one validated, fully resolved config.
 
 Sections: ``run``, ``dataset``, ``partition``, ``model``, ``train``, ``algorithm``, ``server``, ``tracking``,
-``privacy``, ``attack``. The component sections (``dataset``, ``partition``, ``model``, ``algorithm``, ``server``) hold a
-``name`` plus that component's own parameters, which the component's registry entry validates; resolution fills
-every default in, so a run folder's ``config.json`` shows exactly what ran.
+``privacy``, ``attack``. The component sections (``dataset``, ``partition``, ``model``, ``algorithm``, ``server``)
+hold a ``name`` plus that component's own parameters, which the component's registry entry validates; resolution
+fills every default in, so a run folder's ``config.json`` shows exactly what ran.
 """
 
 from __future__ import annotations
