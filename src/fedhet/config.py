@@ -518,6 +518,8 @@ RESUMABLE_CHANGES = (
     "run.max_group",
     "run.client_metrics",  # whether client_metrics.jsonl is written: a copy of what the clients reported
 )
+
+
 def format_validation_error(err: ValidationError) -> str:
     """One line: each problem ('train.lr: must be greater than 0 (got -1)'), then, for unknown keys, the valid keys of
     each section they were found in."""
