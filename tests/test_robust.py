@@ -147,6 +147,8 @@ def test_config_errors(tiny_config):
         resolve_config(tiny_config(algorithm={"name": "scaffold"}, server={"aggregation": "median"}))
     with pytest.raises(ConfigError, match="server.norm_bound replaces .*scaffold's server does not take"):
         resolve_config(tiny_config(algorithm={"name": "scaffold"}, server={"norm_bound": 1.0}))
+    with pytest.raises(ConfigError, match="centralized trains one client holding every client's data"):
+        resolve_config(tiny_config(algorithm={"name": "centralized"}, attack={"kind": "label_flip"}))
     with pytest.raises(ConfigError, match="attack.target=10 is not a class"):
         Simulation(tiny_config(attack={"kind": "backdoor", "target": 10}))
     with pytest.raises(ConfigError, match="stamps a pixel pattern on images; dataset 'synthetic'"):

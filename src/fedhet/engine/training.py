@@ -44,6 +44,11 @@ def resolve_config(cfg: Config) -> dict[str, Any]:
         out[section] = {**fixed, "name": entry.name, **params}
     check_aggregation(cfg)
     check_privacy(cfg)
+    if cfg.attack.kind != "none" and ALGORITHMS.get(cfg.algorithm.name).obj.pools_clients:
+        raise ConfigError(
+            f"attack.kind={cfg.attack.kind!r} makes some clients malicious, and {cfg.algorithm.name} trains one client "
+            "holding every client's data; attack a federated method"
+        )
     return out
 
 
