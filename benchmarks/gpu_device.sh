@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The one-shot GPU check of issue 29, for the device tool's `run` (15 minutes of device time in all): run it as
-#     run(command="bash benchmarks/gpu_device.sh", carry=[".venv"], timeout_s=480)
-# which leaves room for one rerun. It installs nothing. It needs a Python whose torch sees CUDA: the carried .venv
-# if its torch is a CUDA build, else the machine's python3 (with fedhet's src/ on PYTHONPATH; fedhet's dependencies
-# must then be importable there). Results land in $OUT (gpu.json, gpu.md, the test and nvidia-smi output).
+#     run(command="bash benchmarks/gpu_device.sh", timeout_s=480)
+# which leaves room for one rerun. It installs nothing. It needs a Python whose torch sees CUDA: a .venv there if
+# its torch is a CUDA build (this checkout's .venv holds a CPU torch and is far over the tool's 64 MiB carry limit),
+# else the machine's python3, with fedhet's src/ on PYTHONPATH: fedhet's dependencies (pydantic, numpy, typer, flwr
+# for the Flower case...) must then be importable there; the script stops with exit 2 and nvidia-smi's output if no
+# Python qualifies. Results land in $OUT (gpu.json, gpu.md, the test and nvidia-smi output).
 set -u
 OUT=${OUT:-runs/gpu-bench}
 mkdir -p "$OUT"
