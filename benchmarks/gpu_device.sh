@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one-shot GPU check of issue 29, for the device tool's `run` (15 minutes of device time in all): run it as
-#     run(command="bash benchmarks/gpu_device.sh", timeout_s=480)
-# which leaves room for one rerun. It installs nothing. It needs a Python whose torch sees CUDA: a .venv there if
+#     bash benchmarks/gpu_wheels.sh        # here, once: the few wheels the device's python3 lacks, into .whl/
+#     run(command="bash benchmarks/gpu_device.sh", carry=[".whl"], timeout_s=480)
+# which leaves room for one rerun. It installs only the carried wheels, into /tmp/site. It needs a Python whose torch sees CUDA: a .venv there if
 # its torch is a CUDA build (this checkout's .venv holds a CPU torch and is far over the tool's 64 MiB carry limit),
 # else the machine's python3, with fedhet's src/ on PYTHONPATH: fedhet's dependencies (pydantic, numpy, typer, flwr
 # for the Flower case...) must then be importable there; the script stops with exit 2 and nvidia-smi's output if no
@@ -9,6 +10,10 @@
 set -u
 OUT=${OUT:-runs/gpu-bench}
 mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels (gpu_wheels.sh): pydantic and friends
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 PY=""
 for candidate in .venv/bin/python python3 python; do
     if command -v "$candidate" >/dev/null 2>&1 &&
@@ -29,6 +34,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "batched or sync" 2>&1 | tail -15 |
     tee "$OUT/test_cuda.txt"
 # rounds 2-4 are timed (4 rounds, not 6, so every case fits in one call); Flower runs last
-timeout 330 "$PY" benchmarks/gpu.py --device cuda --rounds 4 --flower --out "$OUT" 2>&1 | grep -v "^warning" |
+flower=()
+if "$PY" -c "import flwr, ray" 2>/dev/null; then flower=(--flower); else
+    echo "Flower's Ray simulation is not installed here (Ray's wheel is over the carry limit): case (a) runs without it"
+fi
+timeout 330 "$PY" benchmarks/gpu.py --device cuda --rounds 4 "${flower[@]}" --out "$OUT" 2>&1 | grep -v "^warning" |
     tee "$OUT/bench.log"
 cat "$OUT/gpu.md"
