@@ -111,6 +111,8 @@ def model_unbatchable(flat: FlatModel) -> str | None:
 def runner_unbatchable(runner: ClientRunner) -> str | None:
     if runner.local_diagnostics:
         return "run.eval_local_models evaluates each client's local model"
+    if runner.attack is not None:
+        return "[attack] changes the malicious clients' batches or replies in the sequential client runner"
     privacy = getattr(runner.algo.setup, "privacy", None)
     if privacy is not None and privacy.mode == "local":
         return "local DP-SGD clips per-sample gradients in the sequential loop"
