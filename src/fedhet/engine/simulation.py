@@ -84,6 +84,7 @@ class Simulation:
         )
         self.health = RunHealth(cfg, self.fed, self.algo)
         self.folder = RunFolder(self.run_dir, cfg, self.resolved, self.warn, dict(FLAGS))
+        self.attack = attack_record(cfg, self.fed.num_clients)  # which clients are malicious, under [attack]
         # [tracking]: TensorBoard, MLflow, W&B get copies of the config, metrics and summary (results/trackers.py)
         self.trackers = Trackers(cfg.tracking, self.run_dir, Path(cfg.run.out_dir), self.name, self.warn)
         self._wall_before, self._saved_clients, self._rotate, self._saved_round = 0.0, None, True, 0
@@ -184,10 +185,7 @@ class Simulation:
         """summary.json (and the trackers' copy); the warnings the rounds added are printed once more."""
         counted = last + 1 if status.get("status") == "failed" else last  # a failed round counts
         warnings = self.notes + self.health.round_notes(counted, self.seen)
-        extra = {"empty_rounds": self.health.empty_rounds}
-        attack = attack_record(self.cfg, self.fed.num_clients)
-        if attack is not None:
-            extra["attack"] = attack
+        extra = {"empty_rounds": self.health.empty_rounds, **({"attack": self.attack} if self.attack else {})}
         try:
             summary = self.folder.write_summary(last, self.wall(), extra, warnings, **status)
         except OSError as err:
@@ -222,9 +220,8 @@ class Simulation:
             self.executor.load_state_dict(state["executor"])  # refuses, changing nothing, if its state is gone
 
         loaded = self.folder.prepare(resume, overwrite, load)
-        attack = attack_record(self.cfg, self.fed.num_clients)
-        if attack is not None:  # which clients are malicious: a function of the config, rewritten on every start
-            write_json_atomic(self.run_dir / "attack.json", attack)
+        if self.attack is not None:  # a function of the config, rewritten on every start
+            write_json_atomic(self.run_dir / "attack.json", self.attack)
         now = {**environment(), "torch_threads": self.client_threads, "workers": self.workers}
         if loaded is None:
             self.executor.reset()  # a fresh run sees the client states of round 0: none, whatever a crash left
