@@ -53,6 +53,11 @@ ALGORITHMS = [
     {"name": "fedbc_finetune"},
     {"name": "fedrod"},
     {"name": "fedrod", "personal_head": "hyper", "personal_optimizer": "shared"},
+    # fixed classifiers as model buffers (fixed_buffers), after_local through the loaded row
+    {"name": "fednh", "personal_eval": True},
+    {"name": "fednh", "learn_scale": False, "weighting": "samples"},
+    {"name": "spherefed"},  # the train phase batched, the calibration (its own client_update) sequential
+    {"name": "spherefed", "loss": "ce", "ce_scale": 5.0, "calibrate": False},
 ]
 # momentum and weight decay, unequal client sizes (Dirichlet), every client of the federation in the round
 TRAIN = {"participation": 1.0, "momentum": 0.9, "weight_decay": 1e-3, "grad_clip": 2.0}
@@ -68,7 +73,9 @@ def run_both(tiny_config, run: dict | None = None, **sections) -> tuple[Simulati
         sims[executor] = sim
     seq, bat = sims["sequential"], sims["batched"]
     assert type(seq.executor) is LocalExecutor
-    assert type(bat.executor) is BatchedExecutor and bat.executor.last_phase_batched
+    assert type(bat.executor) is BatchedExecutor
+    expected = {phase: phase != "calibrate" for phase in bat.algo.phases}  # SphereFed's calibration is sequential
+    assert bat.executor.phase_batched == expected
     return seq, bat
 
 

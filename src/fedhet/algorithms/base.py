@@ -218,11 +218,16 @@ class Algorithm:
     # the flat vectors (``ctx.flat.params`` / ``grad`` / ``get_params`` / ``set_params``), ``ctx.message``,
     # ``ctx.state``, ``ctx.scratch``, ``ctx.data``, ``ctx.lr``, ``ctx.steps`` and ``ctx.generator``: never
     # ``ctx.model``, the global RNG or ``ctx.scratch["optimizer"]``; ``ctx.loss_sum`` is filled in only before
-    # ``after_local``. Each hook then runs on its client's row of the stacked parameters. Not inherited: a subclass
-    # that changes the loss is sequential unless it declares it too. A class that cannot be batched says why in
-    # one line, ``unbatchable_reason`` (inherited by its variants; tests/test_batched.py checks every algorithm).
+    # ``after_local``. Exception: ``before_local``, ``loss_inputs`` and ``after_local`` may evaluate ``ctx.model``
+    # (the executor loads the client's row into it first). Each hook then runs on its client's row of the stacked
+    # parameters. Not inherited: a subclass that changes the loss is sequential unless it declares it too. A class
+    # that cannot be batched says why in one line, ``unbatchable_reason`` (inherited by its variants;
+    # tests/test_batched.py checks every algorithm).
     batchable: ClassVar[bool] = False
     unbatchable_reason: ClassVar[str | None] = None
+    # The phases in which a batchable class's own ``client_update`` is the shared loop (``super().client_update``):
+    # those are batched, the others run sequentially (SphereFed's calibration). Not inherited.
+    loop_phases: ClassVar[tuple[str, ...]] = ()
     # True: local DP-SGD (``privacy.mode = "local"``) covers everything this client sends. A class declares it (not
     # inherited) when its ``local_loss`` is a sum of per-sample terms that vmap can take one sample at a time and no
     # other hook reads the client's data, so the reply is computed from privatised gradients only.

@@ -103,6 +103,8 @@ def init_prototypes(num_classes: int, dim: int, generator: torch.Generator | Non
 class PrototypeHead(nn.Module):
     """logits = s * cos(z, P_c): a bias-free cosine classifier whose prototypes are a buffer (never trained)."""
 
+    fixed_buffers = True  # local training never changes the prototypes: batched clients share them
+
     def __init__(self, prototypes: torch.Tensor, scale: float, learn_scale: bool) -> None:
         super().__init__()
         self.register_buffer("prototypes", prototypes)
@@ -151,9 +153,8 @@ def update_prototypes(
 class FedNH(FedAvg):
     name = "fednh"
     Config = FedNHConfig
-    unbatchable_reason = (
-        "its head keeps the prototypes as model buffers and after_local embeds the data through ctx.model"
-    )
+    # the default loss; the prototypes are fixed buffers shared by a group, after_local reads the loaded row
+    batchable = True
     weighted_aggregate = True  # aggregate runs FedAvg's, then replaces the prototypes (GNE applies)
     central_dp = False  # the prototype sums and class counts would reach the server unprivatised
 

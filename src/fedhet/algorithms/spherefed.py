@@ -84,6 +84,8 @@ class SphereFedConfig(FedAvgConfig):
 class SphereHead(nn.Module):
     """logits = W (z / |z|): a bias-free linear classifier on normalised features whose weight is a buffer."""
 
+    fixed_buffers = True  # local training never changes W: batched clients share it
+
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("weight", weight)
@@ -93,8 +95,8 @@ class SphereHead(nn.Module):
 
 
 def sphere_loss(logits: torch.Tensor, y: torch.Tensor, loss: str, ce_scale: float) -> torch.Tensor:
-    if loss == "mse":
-        target = F.one_hot(y, logits.shape[1]).to(logits.dtype)
+    if loss == "mse":  # the one-hot target as a comparison: F.one_hot checks the labels' values, which vmap cannot
+        target = (y.unsqueeze(1) == torch.arange(logits.shape[1], device=y.device)).to(logits.dtype)
         return (logits - target).pow(2).sum(1).mean()
     return F.cross_entropy(ce_scale * logits, y)
 
@@ -130,7 +132,8 @@ def calibrated_classifier(gram: torch.Tensor, cross: torch.Tensor, ridge: float)
 class SphereFed(FedAvg):
     name = "spherefed"
     Config = SphereFedConfig
-    unbatchable_reason = "its calibration phase replaces client_update (feature statistics through ctx.model)"
+    batchable = True  # its own loss; the fixed classifier is a buffer shared by a group
+    loop_phases = (TRAIN,)  # the calibration's client_update computes statistics, sequentially
     personalized = True  # the global model on each client's local test split (FedRANE's P-FL column)
 
     def __init__(self, config: SphereFedConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
@@ -221,8 +224,8 @@ class SphereFed(FedAvg):
         gram, cross = feature_statistics(ctx.model, ctx.data.x, ctx.data.y, ctx.data.num_classes)
         return Reply(tensors={"gram": gram, "cross": cross}, num_examples=len(ctx.data))
 
-    def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return sphere_loss(ctx.model(x), y, self.config.loss, self.config.ce_scale)
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        return sphere_loss(model(x), y, self.config.loss, self.config.ce_scale)
 
     def personalize(self, ctx: ClientContext) -> torch.Tensor | None:
         return ctx.global_params  # evaluated with the message's buffers: the calibrated classifier

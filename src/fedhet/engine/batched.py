@@ -81,25 +81,36 @@ def _overrides(algo: Algorithm, hook: str) -> bool:
     return getattr(type(algo), hook) is not getattr(Algorithm, hook) or hook in vars(algo)
 
 
-def algorithm_unbatchable(algo: Algorithm) -> str | None:
-    """Why ``algo``'s client update cannot be batched, or None when it can.
+def algorithm_unbatchable(algo: Algorithm, phase: str | None = None) -> str | None:
+    """Why ``algo``'s client update (in ``phase``; None: in some phase) cannot be batched, or None when it can.
 
     The declaration is not inherited: a subclass (FedLC, MOON, ... of FedAvg) changes the loss and must declare
-    ``batchable = True`` itself."""
+    ``batchable = True`` itself. A ``client_update`` that runs the shared loop only in some phases names them in
+    ``loop_phases`` (SphereFed: "train"); the other phases run sequentially."""
     cls = type(algo)
     if not cls.__dict__.get("batchable", False):
         reason = getattr(cls, "unbatchable_reason", None)  # inherited: subclasses share the mechanism
         return f"algorithm {cls.name!r} " + (reason or "does not declare batchable")
+    loop_phases = cls.__dict__.get("loop_phases", ())
     for hook in _REPLACED:
-        if _overrides(algo, hook):
-            return f"algorithm {cls.name!r} overrides {hook}"
+        if not _overrides(algo, hook):
+            continue
+        if hook == "client_update" and loop_phases and (phase is None or phase in loop_phases):
+            continue
+        where = f" (batched phases: {', '.join(loop_phases)})" if hook == "client_update" and loop_phases else ""
+        return f"algorithm {cls.name!r} overrides {hook}" + where
     return None
 
 
 def model_unbatchable(flat: FlatModel) -> str | None:
-    """Why the model cannot be trained under vmap to the sequential loop's results, or None when it can."""
-    if flat.buffers.numel():
-        return "the model has buffers (BatchNorm running statistics)"
+    """Why the model cannot be trained under vmap to the sequential loop's results, or None when it can.
+
+    Floating buffers are allowed only in modules that declare ``fixed_buffers = True`` (FedNH's and SphereFed's
+    fixed classifiers): training never changes them, so the clients of a group share the received ones."""
+    for name, module in flat.model.named_modules():
+        held = [b for b in module.buffers(recurse=False) if b.is_floating_point()]
+        if held and not getattr(module, "fixed_buffers", False):
+            return f"the model has buffers that training updates ({name or 'the model'}: e.g. BatchNorm statistics)"
     for name, module in flat.model.named_modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             return f"the model has active dropout ({name}): its random stream cannot match the sequential one"
@@ -108,7 +119,7 @@ def model_unbatchable(flat: FlatModel) -> str | None:
     return None
 
 
-def runner_unbatchable(runner: ClientRunner) -> str | None:
+def runner_unbatchable(runner: ClientRunner, phase: str | None = None) -> str | None:
     if runner.local_diagnostics:
         return "run.eval_local_models evaluates each client's local model"
     if runner.attack is not None:
@@ -116,7 +127,7 @@ def runner_unbatchable(runner: ClientRunner) -> str | None:
     privacy = getattr(runner.algo.setup, "privacy", None)
     if privacy is not None and privacy.mode == "local":
         return "local DP-SGD clips per-sample gradients in the sequential loop"
-    return algorithm_unbatchable(runner.algo) or model_unbatchable(runner.flat)
+    return algorithm_unbatchable(runner.algo, phase) or model_unbatchable(runner.flat)
 
 
 class RowFlat(FlatVectors):
@@ -127,11 +138,11 @@ class RowFlat(FlatVectors):
         self._flat = flat
         self.params = params
         self.grad = grad
-        self.buffers = flat.buffers  # empty: models with buffers are not batched
+        self.buffers = flat.buffers  # fixed buffers only (model_unbatchable), shared by the group
 
     def set_buffers(self, vec: torch.Tensor) -> None:
-        if vec.numel():
-            raise ValueError("batched clients have no buffers")
+        if not torch.equal(vec, self.buffers):
+            raise ValueError("the clients of a batched group share the model's fixed buffers")
 
     def slices(self) -> dict[str, slice]:
         return self._flat.slices()
@@ -180,15 +191,16 @@ class BatchedExecutor:
         self._own_loss = _overrides(runner.algo, "loss")
         self._stacked: dict[tuple[int, ...], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self.last_phase_batched = False  # for tests and benchmarks: did the last phase take the batched path
+        self.phase_batched: dict[str, bool] = {}  # the same, per phase name
 
     # ------------------------------------------------------------------ Executor protocol
-    def unsupported(self) -> str | None:
-        return runner_unbatchable(self.runner)
+    def unsupported(self, phase: str | None = None) -> str | None:
+        return runner_unbatchable(self.runner, phase)
 
     def run_phase(
         self, rnd: int, phase_idx: int, phase: str, msgs: dict[int, Message]
     ) -> tuple[dict[int, Reply], list[dict[str, Any]]]:
-        self.last_phase_batched = self.unsupported() is None
+        self.last_phase_batched = self.phase_batched[phase] = self.unsupported(phase) is None
         if not self.last_phase_batched:
             return self.sequential.run_phase(rnd, phase_idx, phase, msgs)
         t = self.runner.train
@@ -205,7 +217,10 @@ class BatchedExecutor:
             group = set(ordered[start : start + self.max_group])
             group_msgs = {cid: msg for cid, msg in msgs.items() if cid in group}
             try:
-                r, f = self._run_group(rnd, phase_idx, phase, group_msgs, steps)
+                if not self._load_buffers(group_msgs):  # per-client buffers: the group cannot share the model's
+                    r, f = self.sequential.run_phase(rnd, phase_idx, phase, group_msgs)
+                else:
+                    r, f = self._run_group(rnd, phase_idx, phase, group_msgs, steps)
             except _SharedFailure as err:
                 warnings.warn(
                     f"round {rnd} ({phase}): the batched computation failed ({err.__cause__!r}); "
@@ -219,6 +234,17 @@ class BatchedExecutor:
         position = {cid: i for i, cid in enumerate(msgs)}
         failures.sort(key=lambda rec: position[rec["client"]])  # the sequential executor's order
         return replies, failures
+
+    def _load_buffers(self, msgs: dict[int, Message]) -> bool:
+        """Load the received fixed buffers into the shared model; False when the messages' buffers differ."""
+        flat = self.runner.flat
+        received = [msg.tensors["buffers"] for msg in msgs.values() if "buffers" in msg.tensors]
+        if not flat.buffers.numel() or not received:
+            return True
+        if len(received) < len(msgs) or any(b is not received[0] and not torch.equal(b, received[0]) for b in received):
+            return False
+        flat.set_buffers(received[0])
+        return True
 
     def auto_group(self) -> int:
         """``run.max_group = 0``: ``CPU_GROUP`` off a GPU; on one, what its free memory holds (``group_size``)."""
@@ -407,6 +433,7 @@ class BatchedExecutor:
             try:
                 ctx.flat.set_params(ctx.message.tensors["params"])
                 ctx.lr = float(ctx.message.scalars.get("lr", t.lr))
+                flat.set_params(params[k])  # a hook reading ctx.model sees the client's parameters
                 algo.before_local(ctx)
                 client.inputs = algo.loss_inputs(ctx)
                 client.signature = tuple((n, v.shape, v.dtype) for n, v in sorted(client.inputs.items()))
@@ -483,6 +510,7 @@ class BatchedExecutor:
                 continue
             ctx = client.ctx
             ctx.loss_sum = totals[row[cid]]
+            flat.set_params(params[row[cid]])  # after_local may evaluate the trained model through ctx.model
             try:
                 reply = algo.after_local(ctx)
                 check_finite(reply, ctx.state)
