@@ -15,6 +15,7 @@ import json
 import pytest
 import torch
 
+from fedhet.algorithms.fedacd import FedACD
 from fedhet.engine.batched import (
     BatchedExecutor,
     algorithm_unbatchable,
@@ -58,6 +59,11 @@ ALGORITHMS = [
     {"name": "fednh", "learn_scale": False, "weighting": "samples"},
     {"name": "spherefed"},  # the train phase batched, the calibration (its own client_update) sequential
     {"name": "spherefed", "loss": "ce", "ce_scale": 5.0, "calibrate": False},
+    # loss inputs read per step (step_inputs): the mixup draw from each client's generator, P refreshed per epoch
+    {"name": "fedacd"},
+    {"name": "fedacd", "p_estimate": "clean_pass", "weighting": "uniform"},
+    {"name": "fedacd", "p_init": "mixup", "l1_detach_target": True},
+    {"name": "fedacd", "mixup": False},
 ]
 # momentum and weight decay, unequal client sizes (Dirichlet), every client of the federation in the round
 TRAIN = {"participation": 1.0, "momentum": 0.9, "weight_decay": 1e-3, "grad_clip": 2.0}
@@ -341,3 +347,17 @@ def test_every_algorithm_is_batchable_or_says_why_not(tiny_config):
         reason = getattr(cls, "unbatchable_reason", None)
         assert reason and "\n" not in reason and len(reason) <= 120, name
         assert algorithm_unbatchable(cls.__new__(cls)) == f"algorithm {name!r} {reason}"
+
+
+@pytest.mark.parametrize("p_estimate", ["train_outputs", "clean_pass"])
+def test_fedacd_refreshes_its_estimate_per_epoch_like_the_sequential_loop(tiny_config, p_estimate, monkeypatch):
+    """Two local epochs: P is refreshed at the epoch boundary inside the round, from the accumulated training
+    outputs or from a clean pass of the client's current row, and the later batches' loss inputs follow it."""
+    refreshed = []
+    original = FedACD.refresh_p
+    monkeypatch.setattr(FedACD, "refresh_p", lambda self, ctx: refreshed.append(ctx.cid) or original(self, ctx))
+    seq, bat = run_both(
+        tiny_config, train={**TRAIN, "local_epochs": 2}, algorithm={"name": "fedacd", "p_estimate": p_estimate}
+    )
+    assert refreshed and len(refreshed) % 2 == 0  # every client of every round, once per executor
+    assert_close_runs(seq, bat)

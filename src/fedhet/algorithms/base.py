@@ -228,6 +228,9 @@ class Algorithm:
     # The phases in which a batchable class's own ``client_update`` is the shared loop (``super().client_update``):
     # those are batched, the others run sequentially (SphereFed's calibration). Not inherited.
     loop_phases: ClassVar[tuple[str, ...]] = ()
+    # True: ``loss_inputs`` changes during local training (FedACD's per-batch mixup draw and per-epoch P), so both
+    # executors read it at every step, after the batch is drawn and augmented (``ctx.batch`` set). Not inherited.
+    step_inputs: ClassVar[bool] = False
     # True: local DP-SGD (``privacy.mode = "local"``) covers everything this client sends. A class declares it (not
     # inherited) when its ``local_loss`` is a sum of per-sample terms that vmap can take one sample at a time and no
     # other hook reads the client's data, so the reply is computed from privatised gradients only.
@@ -267,7 +270,8 @@ class Algorithm:
 
     def loss_inputs(self, ctx: ClientContext) -> dict[str, torch.Tensor]:
         """The tensors ``loss`` reads besides the model and the batch, fixed during the client's local training
-        (computed in ``before_local``, kept in ``ctx.scratch``): the batched executor reads them once per client."""
+        (computed in ``before_local``, kept in ``ctx.scratch``): the batched executor reads them once per client,
+        or at every step where the class declares ``step_inputs``."""
         return {}
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -99,7 +99,7 @@ def flatten_loss(logits: torch.Tensor, y: torch.Tensor, detach_target: bool = Fa
     log(1 - p_y) is logsumexp of the non-target logits minus logsumexp of all, so p_y -> 1 gives no log(0). The
     y-term is p_y log(p_y / q_y): zero, and without gradient unless q is detached (then it keeps KL's gradient)."""
     num_classes = logits.shape[1]
-    target = F.one_hot(y, num_classes).bool()
+    target = y.unsqueeze(1) == torch.arange(num_classes, device=y.device)  # one-hot (F.one_hot does not vmap)
     logp = F.log_softmax(logits, dim=1)
     log_rest = torch.logsumexp(logits.masked_fill(target, -math.inf), dim=1) - torch.logsumexp(logits, dim=1)
     logq = torch.where(target, logp, (log_rest - math.log(num_classes - 1)).unsqueeze(1))
@@ -164,7 +164,9 @@ def accumulate(sums: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor, la
 class FedACD(Algorithm):
     name = "fedacd"
     Config = FedACDConfig
-    unbatchable_reason = "its loss updates per-client estimates in ctx.scratch each step (and draws its mixup)"
+    # its loss inputs change each step (mixup draw, P refreshed per epoch): read per step (``step_inputs``)
+    batchable = True
+    step_inputs = True
     weighted_aggregate = True  # aggregate records V, then runs the base weighted average (GNE applies)
 
     def __init__(self, config: FedACDConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
@@ -270,20 +272,47 @@ class FedACD(Algorithm):
         perm = perm.to(y.device)
         return lam * x + (1.0 - lam) * x[perm], [(y, lam), (y[perm], 1.0 - lam)]
 
-    def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def loss_inputs(self, ctx: ClientContext) -> dict[str, torch.Tensor]:
+        """Read at every step, before its loss: P refreshed at an epoch boundary, then this batch's mixup draw."""
         if ctx.steps and ctx.steps % ctx.scratch["acd_epoch_steps"] == 0:
             self.refresh_p(ctx)
-        x, labels = self.mix(ctx, x, y)
-        logits = ctx.model(x)
-        adjust = ctx.scratch["acd_adjust"]
+        inputs = {"adjust": ctx.scratch["acd_adjust"]}
+        if self.config.mixup:
+            lam, perm = self.draw_mix(ctx, len(ctx.batch))
+            ctx.scratch["acd_mix"] = (lam, perm)
+            # lam and 1 - lam rounded from float64 as a Python scalar would be: the products are the same
+            inputs["mix"] = torch.tensor([lam, 1.0 - lam], dtype=ctx.data.x.dtype, device=ctx.data.x.device)
+            inputs["perm"] = perm.to(ctx.data.x.device)
+        return inputs
+
+    def loss(
+        self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, inputs: dict[str, torch.Tensor]
+    ) -> torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        labels: list[tuple[torch.Tensor, Any]] = [(y, 1.0)]
+        if "mix" in inputs:
+            mix, perm = inputs["mix"], inputs["perm"]
+            x = mix[0] * x + mix[1] * x[perm]
+            labels = [(y, mix[0]), (y[perm], mix[1])]
+        logits = model(x)
         loss = logits.new_zeros(())
         for labels_k, weight in labels:
             per_sample = flatten_loss(logits, labels_k, self.config.l1_detach_target)
-            per_sample = per_sample + self.config.l2_weight * adjusted_cross_entropy(logits, labels_k, adjust)
+            per_sample = per_sample + self.config.l2_weight * adjusted_cross_entropy(logits, labels_k, inputs["adjust"])
             loss = loss + weight * per_sample.mean()
-        if self.config.p_estimate == "train_outputs":
-            accumulate(ctx.scratch["acd_sums"], ctx.scratch["acd_counts"], torch.softmax(logits, dim=1), labels)
-        return loss
+        if self.config.p_estimate != "train_outputs":
+            return loss
+        return loss, {"acd_probs": torch.softmax(logits, dim=1), "acd_labels": y}  # accumulated by after_step
+
+    def after_step(self, ctx: ClientContext) -> None:
+        if self.config.p_estimate != "train_outputs":
+            return
+        aux = ctx.scratch["loss_aux"]
+        probs, y = aux["acd_probs"].pop(), aux["acd_labels"].pop()
+        labels = [(y, 1.0)]
+        if self.config.mixup:
+            lam, perm = ctx.scratch["acd_mix"]
+            labels = [(y, lam), (y[perm.to(y.device)], 1.0 - lam)]
+        accumulate(ctx.scratch["acd_sums"], ctx.scratch["acd_counts"], probs, labels)
 
     def after_local(self, ctx: ClientContext) -> Reply:
         reply = super().after_local(ctx)

@@ -163,6 +163,10 @@ class _Client:
         self.inputs: dict[str, torch.Tensor] = {}  # the algorithm's loss_inputs, read once after before_local
         self.signature: tuple = ()  # clients whose inputs have the same names and shapes share one vmapped call
 
+    def read_inputs(self, algo: Algorithm) -> None:
+        self.inputs = algo.loss_inputs(self.ctx)
+        self.signature = tuple((n, v.shape, v.dtype) for n, v in sorted(self.inputs.items()))
+
 
 class BatchedExecutor:
     """Runs the clients of a phase as batched computations of at most ``max_group`` clients each.
@@ -401,6 +405,7 @@ class BatchedExecutor:
         failures: list[dict[str, Any]] = []
         runner.model.train()
         self._stacked = {}  # this group's stacked loss inputs
+        step_inputs = type(algo).__dict__.get("step_inputs", False)
         # Contexts in message order (each reseeds the global RNG, which then ends as the sequential executor's does).
         contexts: dict[int, ClientContext] = {}
         for cid, msg in msgs.items():
@@ -435,8 +440,8 @@ class BatchedExecutor:
                 ctx.lr = float(ctx.message.scalars.get("lr", t.lr))
                 flat.set_params(params[k])  # a hook reading ctx.model sees the client's parameters
                 algo.before_local(ctx)
-                client.inputs = algo.loss_inputs(ctx)
-                client.signature = tuple((n, v.shape, v.dtype) for n, v in sorted(client.inputs.items()))
+                if not step_inputs:  # read once; per step otherwise (below)
+                    client.read_inputs(algo)
                 client.batches = batch_indices(
                     len(ctx.data), t.batch_size, client.total, ctx.generator, ctx.data.x.device
                 )
@@ -459,6 +464,15 @@ class BatchedExecutor:
                     except Exception as err:
                         drop(k, err)
             rows, grad_rows = params[:m], grads[:m]
+            if step_inputs:
+                self._stacked = {}
+                for k in range(m):
+                    if members[k].alive:
+                        flat.set_params(rows[k])  # loss_inputs may evaluate the client's model (FedACD's P)
+                        try:
+                            members[k].read_inputs(algo)
+                        except Exception as err:
+                            drop(k, err)
             try:
                 with precision_context(t.precision, params.device):
                     losses = self._gradients(rows, grad_rows, batch, m, members)
@@ -544,6 +558,7 @@ class _Batch:
             x_row.copy_(x if ctx.augment is None else ctx.augment(x, ctx.generator))
         self.y[k, :b] = data.y[idx]
         self.set_length(k, b)
+        ctx.batch = idx
 
     def clear(self, k: int) -> None:
         """A dropped client's row trains on nothing from now on (its results are discarded)."""
