@@ -229,7 +229,7 @@ class Algorithm:
     # those are batched, the others run sequentially (SphereFed's calibration). Not inherited.
     loop_phases: ClassVar[tuple[str, ...]] = ()
     # True: ``loss_inputs`` changes during local training (FedACD's per-batch mixup draw and per-epoch P), so both
-    # executors read it at every step, after the batch is drawn and augmented (``ctx.batch`` set). Not inherited.
+    # executors read it at every step, after the batch is drawn and augmented (``ctx.batch`` set). Inherited.
     step_inputs: ClassVar[bool] = False
     # True: local DP-SGD (``privacy.mode = "local"``) covers everything this client sends. A class declares it (not
     # inherited) when its ``local_loss`` is a sum of per-sample terms that vmap can take one sample at a time and no

@@ -333,3 +333,4 @@ class FedACDBaseConfig(FedACDConfig):
 class FedACDBase(FedACD):
     name = "fedacd_base"
     Config = FedACDBaseConfig
+    batchable = True  # FedACD's client (the declaration is not inherited); only the server's weights differ

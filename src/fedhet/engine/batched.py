@@ -45,7 +45,8 @@ What it supports, checked before every phase (otherwise the phase runs sequentia
   functional ``loss`` (algorithms/functional.py: run under vmap with each client's ``loss_inputs``; full batches
   vmapped per set of same-shaped inputs, short ones row by row, so no loss sees padding) and hooks that touch only
   the flat vectors, the client's state and scratch, never ``ctx.model``; the others give ``unbatchable_reason``;
-* models without floating buffers (BatchNorm running statistics), active dropout (its random stream cannot match
+* models without floating buffers that training updates (BatchNorm running statistics; a module declaring
+  ``fixed_buffers = True`` is allowed, its buffers shared by the group), active dropout (its random stream cannot match
   the sequential one under vmap) or recurrent layers.
 """
 
@@ -405,7 +406,7 @@ class BatchedExecutor:
         failures: list[dict[str, Any]] = []
         runner.model.train()
         self._stacked = {}  # this group's stacked loss inputs
-        step_inputs = type(algo).__dict__.get("step_inputs", False)
+        step_inputs = getattr(type(algo), "step_inputs", False)  # inherited: reading per step is never wrong
         # Contexts in message order (each reseeds the global RNG, which then ends as the sequential executor's does).
         contexts: dict[int, ClientContext] = {}
         for cid, msg in msgs.items():
