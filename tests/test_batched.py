@@ -361,3 +361,36 @@ def test_fedacd_refreshes_its_estimate_per_epoch_like_the_sequential_loop(tiny_c
     )
     assert refreshed and len(refreshed) % 2 == 0  # every client of every round, once per executor
     assert_close_runs(seq, bat)
+
+
+def test_fixed_buffers_are_shared_by_a_group_or_it_runs_sequentially(tiny_config, monkeypatch):
+    """FedNH's prototypes (a ``fixed_buffers`` module) are loaded once per group from the messages; a group whose
+    messages carry different buffers cannot share them and runs sequentially, with the sequential replies."""
+    from fedhet.algorithms.contract import Message
+
+    sim = Simulation(tiny_config(train={"participation": 1.0}, algorithm={"name": "fednh"}))
+    assert model_unbatchable(sim.flat) is None and sim.flat.buffers.numel()
+    runner = sim.executor.runner
+    msgs = sim.algo.configure(1, list(range(sim.fed.num_clients)), "train")
+    other = msgs[0].tensors["buffers"].flip(0)  # other prototypes for client 0
+    msgs[0] = Message(tensors={**msgs[0].tensors, "buffers": other}, scalars=dict(msgs[0].scalars))
+    seq, _ = LocalExecutor(runner, sim.fed.clients).run_phase(1, 0, "train", msgs)
+    batched = BatchedExecutor(runner, sim.fed.clients, max_group=3)
+    groups = []
+    run_group = BatchedExecutor._run_group
+    monkeypatch.setattr(BatchedExecutor, "_run_group", lambda self, *a: groups.append(set(a[3])) or run_group(self, *a))
+    bat, failures = batched.run_phase(1, 0, "train", msgs)
+    assert not failures and seq.keys() == bat.keys()
+    assert len(groups) == 1 and 0 not in groups[0]  # client 0's group ran sequentially, the other was batched
+    for cid, reply in seq.items():
+        exact = cid not in groups[0]
+        for name, t in reply.tensors.items():
+            tol = 0.0 if exact else REL * float(t.abs().max())
+            torch.testing.assert_close(bat[cid].tensors[name], t, rtol=0.0 if exact else REL, atol=tol)
+
+
+def test_spherefed_batches_its_train_phase_only(tiny_config):
+    sim = Simulation(tiny_config(run={"executor": "batched"}, algorithm={"name": "spherefed"}))
+    assert algorithm_unbatchable(sim.algo) is None and algorithm_unbatchable(sim.algo, "train") is None
+    reason = algorithm_unbatchable(sim.algo, "calibrate")
+    assert reason == "algorithm 'spherefed' overrides client_update (batched phases: train)"
