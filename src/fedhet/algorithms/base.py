@@ -176,11 +176,8 @@ class Algorithm:
         return {}
 
     def aggregation_metrics(self) -> dict[str, float]:
-        """GNE's diagnostics of the last aggregation (logged beside ``round_metrics``); none without GNE."""
-        return self.rule_metrics()
-
-    def rule_metrics(self) -> dict[str, float]:
-        """The diagnostics of GNE, of a robust rule or norm bound, and of [privacy], for the last aggregation."""
+        """The diagnostics of GNE, of a robust rule or norm bound, and of [privacy], for the last aggregation
+        (logged beside ``round_metrics``); none with the plain weighted average."""
         out = {} if self.gne is None else self.gne.metrics()
         out = out if self.robust is None else {**out, **self.robust.metrics()}
         return out if self.privacy is None else {**out, **self.privacy.metrics()}
