@@ -8,21 +8,20 @@ not finished says so."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from statistics import mean
+
+from fedhet import load_run
 
 EPSILONS = ["1", "4", "8", "inf"]
 METHODS = ["fedavg", "scaffold", "fedrcl"]
 
 
 def final_record(run: Path) -> tuple[dict, int, bool]:
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    config = json.loads((run / "config.json").read_text())
-    summary = run / "summary.json"
-    done = summary.exists() and json.loads(summary.read_text()).get("status") == "finished"
-    return lines[-1], config["run"]["rounds"], done
+    """The run's last evaluation, its configured rounds and whether it finished."""
+    result = load_run(run)
+    return result.final, result.config["run"]["rounds"], result.summary.get("status") == "finished"
 
 
 def cell(out: Path, eps: str, method: str) -> str:

@@ -7,10 +7,11 @@ over the seeds found, with the rounds the runs reached; a cell whose runs have n
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from statistics import mean
+
+from fedhet import load_run
 
 ATTACKS = [("none", None), ("sign_flip", 0.1), ("sign_flip", 0.3), ("backdoor", 0.1), ("backdoor", 0.3)]
 AGGREGATIONS = ["weights", "median", "trimmed_mean", "krum", "multikrum", "geomed"]
@@ -25,11 +26,9 @@ def runs(out: Path, attack: str, fraction: float | None, agg: str, method: str) 
 
 
 def final_record(run: Path) -> tuple[dict, int, bool]:
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    config = json.loads((run / "config.json").read_text())
-    summary = run / "summary.json"
-    done = summary.exists() and json.loads(summary.read_text()).get("status") == "finished"
-    return lines[-1], config["run"]["rounds"], done
+    """The run's last evaluation, its configured rounds and whether it finished."""
+    result = load_run(run)
+    return result.final, result.config["run"]["rounds"], result.summary.get("status") == "finished"
 
 
 def cell(out: Path, attack: str, fraction: float | None, agg: str, method: str, key: str) -> str:
