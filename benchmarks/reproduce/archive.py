@@ -40,12 +40,12 @@ def finished_runs(root: Path) -> list[Path]:
     return runs
 
 
-def comparable_config(run: Path) -> dict:
-    """The config without what may differ between two runs of the same cell (where it lives, how long it ran)."""
-    config = json.loads((run / "config.json").read_text())
-    for key in ("out_dir", "name", "rounds", "progress", "workers", "executor", "checkpoint_every"):
-        config["run"].pop(key, None)
-    return config
+def config_differences(archived: Path, run: Path) -> list[str]:
+    """What makes the two cells different experiments: the settings a resume could not change (fedhet's own test,
+    so another length, location, executor or a setting added since with its default is the same cell)."""
+    from fedhet.engine.training import config_changes
+
+    return config_changes(*(json.loads((p / "config.json").read_text()) for p in (archived, run)))
 
 
 def logged_runs(root: Path) -> list[Path]:
@@ -73,8 +73,9 @@ def archive(root: Path, dest: Path, partial: bool = False, checkpoint_mb: float 
     for run in logged_runs(root) if partial else finished_runs(root):
         target = dest / run.relative_to(root)
         if (target / "config.json").exists():
-            if comparable_config(target) != comparable_config(run):
-                raise SystemExit(f"{target}: archived with another config; move it away first")
+            changes = config_differences(target, run)
+            if changes:
+                raise SystemExit(f"{target}: archived with another config ({'; '.join(changes)}); move it away first")
             if rounds_done(target) >= rounds_done(run):
                 continue
         target.mkdir(parents=True, exist_ok=True)
