@@ -267,6 +267,33 @@ def test_update_and_data_attacks_by_hand(tiny_config):
     assert xb[:2, :, 1:, 1:].eq(2.0).all() and xb[2].eq(0).all() and xb[:, :, 0].eq(0).all()
 
 
+def test_update_attacks_reach_methods_that_reply_with_their_update(tiny_config):
+    """SCAFFOLD, FedNova and q-FedAvg send the update itself, not a model: the attack must act on it (it once
+    skipped them silently, so a SCAFFOLD run under attack equalled the clean one), and their other tensors stay."""
+    from types import SimpleNamespace
+
+    from fedhet.algorithms.contract import Message, Reply
+    from fedhet.engine.attack import UPDATE_TENSORS, Attack
+
+    fed = SimpleNamespace(name="toy", num_classes=10, num_clients=4, white_value=(2.0,), input_shape=(1, 4, 4))
+    msg = Message(tensors={"params": torch.ones(2), "c": torch.zeros(2)}, scalars={})
+    cfg = tiny_config(attack={"kind": "sign_flip", "fraction": 1.0, "flip_scale": 2.0}).attack
+    for key in UPDATE_TENSORS:
+        reply = Reply(tensors={key: torch.tensor([0.5, -1.0]), "delta_c": torch.tensor([3.0, 4.0])}, num_examples=1)
+        Attack(cfg, fed, 0).corrupt(1, 2, 0, msg, reply)
+        torch.testing.assert_close(reply.tensors[key], torch.tensor([-1.0, 2.0]))
+        torch.testing.assert_close(reply.tensors["delta_c"], torch.tensor([3.0, 4.0]))
+
+
+def test_a_sign_flip_changes_a_scaffold_run(tiny_config):
+    def final(name, **attack):
+        cfg = tiny_config(run={"rounds": 2, "name": name}, algorithm={"name": "scaffold"}, attack=attack)
+        Simulation(cfg).run()
+        return read_metrics(Simulation(cfg).run_dir / "metrics.jsonl")[-1]["test_loss"]
+
+    assert final("clean", kind="none") != final("flipped", kind="sign_flip", fraction=0.5, flip_scale=4.0)
+
+
 def test_attacks_over_flower_match_the_simulation(tiny_config):
     import os
 

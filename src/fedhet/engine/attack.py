@@ -13,8 +13,9 @@ Everything happens on the client side, in ``ClientRunner`` (engine/client.py), s
   ``target`` (Bagdasaryan et al. 2020's pixel-pattern backdoor, mixed into clean data);
 * update attacks replace a malicious client's reply, as a delta u = reply - received model in ``params``:
   ``sign_flip`` sends -flip_scale u, ``scale`` sends scale u, ``gaussian`` sends N(0, std^2 I) (its noise from
-  ``(run seed, ATTACK_STREAM, round, client, phase)``), in the phase that trains the local models. Other reply
-  tensors (SCAFFOLD's control-variate delta, buffers) are left honest.
+  ``(run seed, ATTACK_STREAM, round, client, phase)``), in the phase that trains the local models; a method that
+  replies with its update itself (SCAFFOLD, FedNova, q-FedAvg: ``UPDATE_TENSORS``) has that update attacked. Other
+  reply tensors (SCAFFOLD's control-variate delta, buffers) are left honest.
 
 No attack draws from the client's own generator, so honest clients and a malicious client's batch order are those of
 the clean run, and a resumed run attacks exactly as an uninterrupted one. ``attack/asr`` (backdoor): the share of the
@@ -42,6 +43,11 @@ ATTACK_STREAM = 0xA77AC  # the seed part of the malicious draw and of the gaussi
 DATA_ATTACKS = ("label_flip", "backdoor")
 UPDATE_ATTACKS = ("sign_flip", "gaussian", "scale")
 Poison = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+# Replies that carry the client's update instead of its model: SCAFFOLD's y - x, FedNova's x - y, q-FedAvg's scaled
+# step. Their control variates, normalisers and the like stay honest, as buffers do.
+UPDATE_TENSORS = ("delta_y", "cum_update", "delta")
 
 
 def malicious_clients(cfg: AttackSection, num_clients: int, seed: int) -> list[int]:
@@ -83,19 +89,28 @@ class Attack:
         return x, y
 
     def corrupt(self, cid: int, rnd: int, phase_idx: int, msg: Message, reply: Reply) -> None:
-        """A malicious client's reply under an update attack, in place."""
-        if cid not in self.malicious or self.cfg.kind not in UPDATE_ATTACKS or "params" not in reply.tensors:
+        """A malicious client's reply under an update attack, in place: its model (``params``, attacked as the delta
+        from the received model) or, for methods that reply with the update itself, that update. A phase whose
+        reply carries neither (SphereFed's calibration statistics) is left alone."""
+        if cid not in self.malicious or self.cfg.kind not in UPDATE_ATTACKS:
             return
-        x = msg.tensors["params"]
-        u = reply.tensors["params"] - x
+        if "params" in reply.tensors:
+            x = msg.tensors["params"]
+            reply.tensors["params"] = x + self.attacked(reply.tensors["params"] - x, rnd, cid, phase_idx)
+            return
+        key = next((k for k in UPDATE_TENSORS if k in reply.tensors), None)
+        if key is not None:
+            reply.tensors[key] = self.attacked(reply.tensors[key], rnd, cid, phase_idx)
+
+    def attacked(self, u: torch.Tensor, rnd: int, cid: int, phase_idx: int) -> torch.Tensor:
+        """The malicious version of update u. Each attack commutes with a sign and a positive scale, so it is the
+        same whether u is y - x, x - y (FedNova) or a scaled step (q-FedAvg)."""
         if self.cfg.kind == "sign_flip":
-            u = -self.cfg.flip_scale * u
-        elif self.cfg.kind == "scale":
-            u = self.cfg.scale * u
-        else:
-            gen = torch.Generator().manual_seed(derive_seed(self.seed, ATTACK_STREAM, rnd, cid, phase_idx))
-            u = (torch.randn(u.shape, generator=gen) * self.cfg.std).to(u)
-        reply.tensors["params"] = x + u
+            return -self.cfg.flip_scale * u
+        if self.cfg.kind == "scale":
+            return self.cfg.scale * u
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, ATTACK_STREAM, rnd, cid, phase_idx))
+        return (torch.randn(u.shape, generator=gen) * self.cfg.std).to(u)
 
 
 def check_attack(cfg: AttackSection, fed: FederatedDataset) -> None:
