@@ -3,13 +3,13 @@ contract's types are imported for annotations only, and the contract calls this 
 
 from __future__ import annotations
 
-from math import prod
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.func import functional_call
 
 from fedhet.algorithms.privacy import dp_sgd_gradient
+from fedhet.toolkit.flat import named_views, parameter_layout
 from fedhet.toolkit.local import FlatSGD, batch_indices, clip_grad_norm, num_local_steps, precision_context
 
 if TYPE_CHECKING:
@@ -78,14 +78,9 @@ class _Loss(torch.nn.Module):
 def flat_loss(algo: Any, ctx: ClientContext) -> Any:
     """``loss(flat_params, x, y)``: the algorithm's local loss at a flat parameter vector (local DP-SGD)."""
     module = _Loss(algo, ctx)
-    shapes = [(f"model.{name}", p.shape) for name, p in ctx.model.named_parameters() if p.requires_grad]
+    layout = parameter_layout(ctx.model, prefix="model.")
 
     def loss(params: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        tensors, offset = {}, 0
-        for name, shape in shapes:
-            n = prod(shape)
-            tensors[name] = params[offset : offset + n].view(shape)
-            offset += n
-        return functional_call(module, tensors, (x, y))
+        return functional_call(module, named_views(params, layout), (x, y))
 
     return loss

@@ -68,7 +68,7 @@ from fedhet.engine.checkpoint import StateFileError
 from fedhet.engine.client import ClientRunner, LocalExecutor, check_finite, failure_record
 from fedhet.engine.memory import available_memory
 from fedhet.engine.state import MemoryStateStore
-from fedhet.toolkit.flat import FlatModel, FlatVectors
+from fedhet.toolkit.flat import FlatModel, FlatVectors, named_views, parameter_layout
 from fedhet.toolkit.local import batch_indices, num_local_steps, precision_context
 
 if TYPE_CHECKING:
@@ -190,7 +190,7 @@ class BatchedExecutor:
         self.store = self.sequential.store
         self.max_group = max_group  # 0: chosen from memory at the first batched phase (group_size)
         self.vmap_from = vmap_from
-        self._layout = [(name, p.shape, p.numel()) for name, p in runner.model.named_parameters() if p.requires_grad]
+        self._layout = parameter_layout(runner.model)
         self._grad_fn = vmap(grad_and_value(self._client_loss))
         self._apply = Apply(runner.model)  # the algorithm's own loss as a module over the shared model
         self._own_loss = _overrides(runner.algo, "loss")
@@ -392,11 +392,7 @@ class BatchedExecutor:
         return split_loss(functional_call(self._apply, tensors, (self.runner.algo.loss, x, y, {**batched, **shared})))
 
     def _param_views(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
-        out, offset, m = {}, 0, rows.shape[0]
-        for name, shape, n in self._layout:
-            out[name] = rows[:, offset : offset + n].view(m, *shape)
-            offset += n
-        return out
+        return named_views(rows, self._layout)
 
     def _run_group(
         self, rnd: int, phase_idx: int, phase: str, msgs: dict[int, Message], steps: dict[int, int]

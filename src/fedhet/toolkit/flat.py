@@ -88,3 +88,18 @@ def weighted_sum(vectors: list[torch.Tensor], weights: list[float]) -> torch.Ten
     for v, w in zip(vectors, weights, strict=True):
         out.add_(v, alpha=w)
     return out
+
+
+def parameter_layout(model: nn.Module, prefix: str = "") -> list[tuple[str, torch.Size, int]]:
+    """(name, shape, size) of each trainable parameter, in the flat vector's order."""
+    return [(prefix + name, p.shape, p.numel()) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def named_views(vec: torch.Tensor, layout: list[tuple[str, torch.Size, int]]) -> dict[str, torch.Tensor]:
+    """name -> each parameter's view of ``vec``'s last dimension (leading dimensions, e.g. clients' rows, kept), the
+    dict ``torch.func.functional_call`` takes."""
+    out, offset, lead = {}, 0, vec.shape[:-1]
+    for name, shape, n in layout:
+        out[name] = vec[..., offset : offset + n].view(*lead, *shape)
+        offset += n
+    return out
