@@ -217,6 +217,19 @@ def test_single_seed_has_no_std_and_loss_best_is_minimum(tmp_path):
     assert loss.best_mean == 1.5 and "final test_loss" in to_markdown([loss])
 
 
+def test_attack_success_is_a_lower_is_better_percentage_column(tmp_path):
+    # a backdoor run: the best ASR is the lowest one, shown as a percentage; the spent epsilon is a plain number
+    asr, eps = [0.9, 0.2, 0.5], [1.0, 2.0, 3.5]
+    make_run(tmp_path, "bd", {"name": "fedavg"}, 0, [0.5, 0.6, 0.7], **{"attack/asr": asr, "privacy/epsilon": eps})
+    groups = group_runs(load_runs([tmp_path]))
+    [row] = summary_table(groups, metric="attack/asr")
+    assert row.best_mean == 0.2 and row.final_mean == 0.5
+    [acc] = summary_table(groups)
+    assert acc.extras["attack/asr"] == (0.5, None) and acc.extras["privacy/epsilon"] == (3.5, None)
+    markdown = to_markdown([acc])
+    assert "backdoor success (ASR) | epsilon spent |" in markdown and "| 50.00 | 3.5 |" in markdown
+
+
 # ---- plots ----
 
 

@@ -25,6 +25,7 @@ from fedhet.results.report import (
     Run,
     differing_keys,
     format_value,
+    is_percent,
     label_for,
     short_names,
 )
@@ -42,6 +43,8 @@ METRIC_LABELS = {
     "personal_acc_micro": "personalised accuracy (micro)",
     "train_loss": "training loss",
     "test_loss": "test loss",
+    "attack/asr": "backdoor attack success rate",
+    "privacy/epsilon": "privacy spent (epsilon)",
 }
 # Up to this many classes each gets its own colour in a stacked bar; beyond it a heat map reads better.
 MAX_STACKED_CLASSES = 20
@@ -104,7 +107,7 @@ def curves_figure(
     shared = len(crowded) < len(groups)
     marker = {s: MARKERS[i % len(MARKERS)] for i, s in enumerate(dict.fromkeys(settings))}
     fig, axes = panel_axes(len(order))
-    scale = 100.0 if "acc" in metric else 1.0
+    scale = 100.0 if is_percent(metric) else 1.0
     drawn: dict[str, Any] = {}
     # overlapping std bands add up: fainter the more curves share an axes, so 20 bands do not turn to mud
     band_alpha = min(0.2, 0.3 / max(1, len(groups) / len(order)) ** 0.5)

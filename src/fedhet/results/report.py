@@ -126,13 +126,21 @@ OPTIONAL_COLUMNS = {
     "client_dist_acc_sampled": "client-dist acc (sampled)",
     "local_risk": "local-model risk",
     "local_kl": "local KL(P||Q)",
+    "attack/asr": "backdoor success (ASR)",
+    "privacy/epsilon": "epsilon spent",
 }
 # Counts of clients, not measurements: shown as a whole number, or the range over seeds ("0–3"), never "0 ± 0".
 COUNT_COLUMNS = ("personal_never_sampled",)
 
 
 def lower_is_better(metric: str) -> bool:
-    return "loss" in metric or metric in ("local_risk", "local_kl")
+    # A backdoor's success rate is the attacker's score: the best run is the one it succeeded least on.
+    return "loss" in metric or metric in ("local_risk", "local_kl", "attack/asr", "privacy/epsilon")
+
+
+def is_percent(metric: str) -> bool:
+    """Whether `metric` is a fraction that tables and plots show as a percentage (accuracies, attack success)."""
+    return "acc" in metric or metric == "attack/asr"
 
 
 def load_runs(paths: list[str | Path]) -> list[Run]:
@@ -478,10 +486,10 @@ def table_cells(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
 
 
 def fmt(value: float | None, std: float | None = None, *, metric: str) -> str:
-    """Accuracies as percentages with two decimals, other metrics with four significant digits."""
+    """Accuracies and rates as percentages with two decimals, other metrics with four significant digits."""
     if value is None:
         return MISSING
-    scale, spec = (100.0, ".2f") if "acc" in metric else (1.0, ".4g")
+    scale, spec = (100.0, ".2f") if is_percent(metric) else (1.0, ".4g")
     text = format(value * scale, spec)
     return text if std is None else f"{text} ± {format(std * scale, spec)}"
 
