@@ -120,6 +120,51 @@ def test_overwrite_never_deletes_a_folder_that_is_not_a_run(tiny_config, tmp_pat
     assert (folder / "thesis.tex").exists()
 
 
+def hold_lock(path):
+    """Another process holding ``path``'s file lock until its stdin closes (or it is killed)."""
+    code = (
+        "import sys; from filelock import FileLock; lock = FileLock(sys.argv[1]); lock.acquire(); "
+        "print('held', flush=True); sys.stdin.read()"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert holder.stdout.readline() == b"held\n"
+    return holder
+
+
+def test_a_run_folder_another_process_is_training_is_refused_untouched(tiny_config):
+    cfg = tiny_config(run={"name": "busy", "rounds": 2, "checkpoint_every": 1})
+    Simulation(cfg).run(stop_after=1)  # ended: its lock is free again
+    folder = Simulation(cfg).run_dir
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    holder = hold_lock(folder / rundir.LOCK_FILE)  # e.g. the same command started twice
+    try:
+        for flags in ({"resume": True}, {"overwrite": True}, {}):
+            with pytest.raises(ConfigError, match="is in use: another fedhet process is training this run"):
+                Simulation(cfg).run(**flags)
+        assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
+    finally:
+        holder.kill()  # a killed holder frees the lock: nothing to clean up by hand
+        holder.wait()
+    assert Simulation(cfg).run(resume=True)["rounds_done"] == 2
+
+
+def test_a_fresh_run_folder_is_locked_while_it_trains(tiny_config):
+    cfg = tiny_config(run={"name": "claimed", "rounds": 2})
+    sim = Simulation(cfg)
+    seen = []
+
+    def second_start(rnd, _record):  # another process (here: another Simulation) starting the same run meanwhile
+        if rnd == 1:
+            with pytest.raises(ConfigError, match="is in use"):
+                Simulation(cfg).run(resume=True)
+            seen.append(rnd)
+
+    sim.on_round = second_start
+    sim.run()
+    assert seen == [1]
+    assert read_metrics(sim.run_dir / "metrics.jsonl")[-1]["round"] == 2
+
+
 @pytest.mark.parametrize("kind", ["file", "file parent"])
 def test_an_output_folder_that_is_a_file_is_a_config_error(tiny_config, tmp_path, kind):
     blocker = tmp_path / "blocker"

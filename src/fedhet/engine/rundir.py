@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock, Timeout
+
 from fedhet.errors import ConfigError
 
 
@@ -43,15 +45,35 @@ def make_out_dir(out_dir: Path) -> None:
 
 
 RUN_MARKERS = ("config.json", "metrics.jsonl", "checkpoints")
+# Held (an OS file lock, gone with the process however it ends) by the process that trains the folder's run.
+LOCK_FILE = ".fedhet.lock"
+
+
+def lock_run_dir(folder: Path) -> FileLock | None:
+    """Claim the run folder for this process, or refuse: two processes writing one run (the same command started
+    twice, two sweeps over one output folder) would interleave their metrics and checkpoints. None where the folder
+    cannot hold a lock (a file or a link in its place: preparing the folder refuses those with its own message)."""
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(folder / LOCK_FILE, timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise ConfigError(
+            f"run folder {str(folder)!r} is in use: another fedhet process is training this run right now (it holds "
+            f"{LOCK_FILE} there); wait for it to end or stop it, or choose another run.name or run.out_dir"
+        ) from None
+    return lock
 
 
 def holds_run(folder: Path) -> bool:
     return any((folder / m).exists() for m in RUN_MARKERS)
 
 
-def remove_run_dir(folder: Path) -> None:
-    """--overwrite: delete a run folder, and nothing that does not look like one; a symbolic link is refused (deleting
-    what it points to would reach outside run.out_dir, and removing the link would not replace the run)."""
+def check_removable(folder: Path) -> None:
+    """--overwrite may empty ``folder``: it looks like a run folder; a symbolic link is refused (deleting what it
+    points to would reach outside run.out_dir, and removing the link would not replace the run)."""
     if folder.is_symlink():
         target = os.readlink(folder)
         raise ConfigError(
@@ -60,12 +82,23 @@ def remove_run_dir(folder: Path) -> None:
         )
     if not folder.is_dir():
         raise ConfigError(f"--overwrite: {str(folder)!r} is a file, not a run folder; not deleting it")
-    if not holds_run(folder) and any(folder.iterdir()):
+    if not holds_run(folder) and any(p.name != LOCK_FILE for p in folder.iterdir()):
         raise ConfigError(
             f"--overwrite: {str(folder)!r} is not a fedhet run folder (no config.json, metrics.jsonl or "
             "checkpoints/); not deleting it: choose another run.name or run.out_dir"
         )
-    shutil.rmtree(folder)
+
+
+def remove_run_dir(folder: Path) -> None:
+    """--overwrite: empty a run folder (check_removable), keeping the lock this process holds on it."""
+    check_removable(folder)
+    for path in folder.iterdir():  # all but this process's lock: a file removed under a lock frees it for others
+        if path.name == LOCK_FILE:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def environment() -> dict[str, Any]:

@@ -12,13 +12,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
+
 from fedhet import plugins
 from fedhet.config import Config
 from fedhet.engine.checkpoint import CheckpointError, Loaded, load_latest, remove_temporaries
 from fedhet.engine.rundir import (
+    check_removable,
     check_run_flags,
     environment_changes,
     holds_run,
+    lock_run_dir,
     make_out_dir,
     remove_run_dir,
 )
@@ -50,6 +54,7 @@ class RunFolder:
         self.metrics_lines: list[str] = []  # metrics.jsonl as written, kept in the checkpoint to check it at resume
         self.metrics_log: MetricsLog | None = None
         self.failures_log: MetricsLog | None = None
+        self.lock: FileLock | None = None
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -61,9 +66,13 @@ class RunFolder:
         nothing, has restored its client-held state), or None for a run that starts from round 0."""
         check_run_flags(resume, overwrite)
         make_out_dir(Path(self.cfg.run.out_dir))
+        existed = self.path.is_dir()
         if overwrite and self.path.exists():
+            check_removable(self.path)  # before the lock file goes into a folder that is not ours
+        self.lock = lock_run_dir(self.path)  # released by unlock(), or by the OS when this process ends
+        if overwrite and existed:
             remove_run_dir(self.path)
-        if resume and self.path.is_dir():
+        if resume and existed:
             self.check_plugins()
             loaded = self.load_checkpoint(load)
             if loaded is not None:
@@ -83,6 +92,12 @@ class RunFolder:
         self.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path / "config.json", self.resolved)
         return None
+
+    def unlock(self) -> None:
+        """Let another process train this run folder (the end of a run, however it ended)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def check_plugins(self) -> None:
         """Refuse to resume under plug-in code that differs from what the run recorded in provenance.json (one

@@ -109,6 +109,7 @@ class Simulation:
             raise self.folder.disk_full(err, None, self._saved_round) from None
         finally:
             self.executor.close()
+            self.folder.unlock()
 
     def train(self, done: int, stop_after: int | None) -> dict[str, Any]:
         self.folder.open_logs()
