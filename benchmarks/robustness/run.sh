@@ -2,7 +2,9 @@
 # Issue 31's robustness benchmark (benchmarks/robustness/fmnist.toml): every (attack, aggregation) pair for FedAvg,
 # and SCAFFOLD with its own aggregation. One `fedhet compare` per pair; rerunning skips finished cells and continues
 # killed ones from their last checkpoint, so the script is safe to kill and restart.
-# Usage: [JOBS=N] [OUT=dir] run.sh [SEEDS] [-- MORE_COMPARE_OPTIONS]      e.g. run.sh 0 -- --dry-run
+# Usage: [JOBS=N] [OUT=dir] [ATTACKS="none sign_flip backdoor"] run.sh [SEEDS] [-- MORE_COMPARE_OPTIONS]
+#        e.g. run.sh 0 -- --dry-run; ATTACKS=backdoor run.sh 0 (two such scripts may share OUT: a run folder that the
+#        other is training is refused, not shared)
 # Results: OUT/<attack>/<aggregation>/fraction<F>/<method>-s<seed> (OUT default runs/robustness-fmnist);
 # tables.py OUT prints the markdown tables of docs/privacy-robustness.md.
 set -euo pipefail
@@ -21,7 +23,7 @@ declare -A options=(
   [multikrum]="-s server.byzantine=3"
   [geomed]=""
 )
-for attack in none sign_flip backdoor; do
+for attack in ${ATTACKS:-none sign_flip backdoor}; do
   for agg in "${aggregations[@]}"; do
     variants=fedavg
     [[ $agg == weights ]] && variants=fedavg,scaffold  # SCAFFOLD refuses the others (not a weighted average)
