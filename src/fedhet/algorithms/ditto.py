@@ -98,7 +98,7 @@ class Ditto(FedAvg):
         anchor = ctx.global_params
         ctx.flat.set_params(ctx.state.get(PERSONAL, anchor))
         total, steps = 0.0, self.personal_step_count(ctx)
-        for idx in batch_indices(len(ctx.data), ctx.train.batch_size, steps, ctx.generator):
+        for idx in batch_indices(len(ctx.data), ctx.train.batch_size, steps, ctx.generator, ctx.data.x.device):
             x, y = ctx.data.x[idx], ctx.data.y[idx]
             if ctx.augment is not None:
                 x = ctx.augment(x, ctx.generator)

@@ -572,7 +572,7 @@ class FedUFO(FedAvg):
         t = ctx.train
         total = num_local_steps(n, t.batch_size, self.config.disc_epochs, None)
         loss_sum = 0.0
-        for idx in batch_indices(n, t.batch_size, total, ctx.generator):
+        for idx in batch_indices(n, t.batch_size, total, ctx.generator, own.device):
             loss_sum += self.disc_step(ctx, opt, own[idx], [(f[idx], cid) for f, cid in others])
         return loss_sum / total
 
