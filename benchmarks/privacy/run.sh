@@ -12,11 +12,12 @@ if (($#)) && [[ $1 != -- ]]; then seeds=$1; shift; fi
 [[ ${1:-} == -- ]] && shift
 out=${OUT:-runs/privacy-fmnist}
 fedhet=${FEDHET:-.venv/bin/fedhet}
-rounds=()
+rounds=() failed=0
 [[ -n ${ROUNDS:-} ]] && rounds=(-s "run.rounds=$ROUNDS")
 for eps in inf 8 4 1; do
   privacy=()
   [[ $eps != inf ]] && privacy=(-s privacy.mode=central -s "privacy.target_epsilon=$eps")
   "$fedhet" compare -c benchmarks/privacy/fmnist.toml "${privacy[@]}" "${rounds[@]}" --seeds "$seeds" \
-    -o "$out/eps$eps" --jobs "${JOBS:-auto}" "$@"
+    -o "$out/eps$eps" --jobs "${JOBS:-auto}" "$@" || failed=1  # a failed cell (its summary says why) stops no other
 done
+exit $failed

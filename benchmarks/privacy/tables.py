@@ -4,10 +4,11 @@ Usage: python benchmarks/privacy/tables.py [OUT]   (OUT default runs/privacy-fmn
 
 Each cell is the final evaluation's test accuracy (mean over the seeds found) with the epsilon the run spent
 (privacy/epsilon) and the noise multiplier its target gave, and the rounds the runs reached; a cell whose runs have
-not finished says so."""
+not finished says so, and one whose run failed (e.g. every client's model turned non-finite) says why."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from statistics import mean
@@ -18,10 +19,18 @@ EPSILONS = ["1", "4", "8", "inf"]
 METHODS = ["fedavg", "scaffold", "fedrcl"]
 
 
-def final_record(run: Path) -> tuple[dict, int, bool]:
-    """The run's last evaluation, its configured rounds and whether it finished."""
+def final_record(run: Path) -> tuple[dict, int, str]:
+    """The run's last evaluation, its configured rounds and its status (finished, failed or unfinished)."""
     result = load_run(run)
-    return result.final, result.config["run"]["rounds"], result.summary.get("status") == "finished"
+    return result.final, result.config["run"]["rounds"], result.summary.get("status", "unfinished")
+
+
+def failure(run: Path) -> str:
+    """Why a failed run stopped, in a few words: the first clause of its summary's error and what its clients hit."""
+    result = load_run(run)
+    why = result.summary.get("error", "").split(";")[0]
+    errors = [json.loads(line)["error"] for line in (run / "failures.jsonl").read_text().splitlines()[:1]]
+    return why + (f" (clients: {errors[0]})" if errors else "")
 
 
 def cell(out: Path, eps: str, method: str) -> str:
@@ -35,7 +44,10 @@ def cell(out: Path, eps: str, method: str) -> str:
         spent = mean(r[0]["privacy/epsilon"] for r in records)
         text += f" (eps {spent:.2f}, z {records[0][0]['privacy/noise_multiplier']:.2f})"
     rounds = {r[0]["round"] for r in records}
-    if not all(r[2] for r in records):
+    failed = [run for run, r in zip(found, records, strict=True) if r[2] == "failed"]
+    if failed:
+        text += f" [last evaluated at round {min(rounds)}; failed: {failure(failed[0])}]"
+    elif any(r[2] != "finished" for r in records):
         text += f" [round {min(rounds)} of {records[0][1]}, unfinished]"
     return text
 

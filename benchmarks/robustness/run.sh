@@ -14,6 +14,7 @@ if (($#)) && [[ $1 != -- ]]; then seeds=$1; shift; fi
 [[ ${1:-} == -- ]] && shift
 out=${OUT:-runs/robustness-fmnist}
 fedhet=${FEDHET:-.venv/bin/fedhet}
+failed=0
 aggregations=(weights median trimmed_mean krum multikrum geomed)
 declare -A options=(
   [weights]=""
@@ -31,6 +32,8 @@ for attack in ${ATTACKS:-none sign_flip backdoor}; do
     [[ $attack != none ]] && grid=(-s "attack.kind=$attack" -g "attack.fraction=0.1,0.3")
     # shellcheck disable=SC2086  # options[...] holds whole "-s key=value" words
     "$fedhet" compare -c benchmarks/robustness/fmnist.toml -s "server.aggregation=$agg" ${options[$agg]} \
-      "${grid[@]}" --seeds "$seeds" --variants "$variants" -o "$out/$attack/$agg" --jobs "${JOBS:-auto}" "$@"
+      "${grid[@]}" --seeds "$seeds" --variants "$variants" -o "$out/$attack/$agg" --jobs "${JOBS:-auto}" "$@" ||
+      failed=1  # a failed cell (its summary says why) stops no other
   done
 done
+exit $failed
