@@ -145,3 +145,28 @@ def test_a_restored_cell_continues_where_the_archived_run_stopped(tiny_config, t
         [{k: r[k] for k in keys} for r in read_metrics(s.run_dir / "metrics.jsonl")] for s in (full, resumed)
     )
     assert len(got) == 3 and got == expected  # bit for bit: the same machine here
+
+
+def test_privacy_table_names_a_failed_cell_and_its_reason(tmp_path):
+    out = tmp_path / "privacy"
+    make_run(out / "epsinf" / "fedavg-s0", "finished", 2, 0.78)
+    dp = make_run(out / "eps8" / "fedavg-s0", "failed", 2, 0.16)
+    records = [
+        {"round": r, "test_acc": 0.16, "privacy/epsilon": 0.5 * r, "privacy/noise_multiplier": 3.04} for r in (1, 2)
+    ]
+    (dp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    summary = {"status": "failed", "rounds_done": 5, "error": "no client finished round 5; the errors are in ..."}
+    (dp / "summary.json").write_text(json.dumps(summary))
+    (dp / "failures.jsonl").write_text(json.dumps({"round": 3, "error": "FloatingPointError: non-finite"}) + "\n")
+    early = out / "eps4" / "fedavg-s0"  # failed before its first evaluation: no metrics.jsonl at all
+    early.mkdir(parents=True)
+    (early / "config.json").write_text(json.dumps({"run": {"rounds": 100}}))
+    (early / "summary.json").write_text(json.dumps({**summary, "rounds_done": 4}))
+    (early / "failures.jsonl").write_text((dp / "failures.jsonl").read_text())
+    script = Path(__file__).parents[1] / "benchmarks" / "privacy" / "tables.py"
+    table = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, check=True).stdout
+    fedavg = next(line for line in table.splitlines() if line.startswith("| fedavg |")).split(" | ")
+    assert fedavg[1] == "–"  # epsilon 1: not run
+    assert fedavg[2] == "[failed after round 4: no client finished round 5 (clients: FloatingPointError: non-finite)]"
+    assert fedavg[3].startswith("16.0 (eps 1.00, z 3.04) [last evaluated at round 2; failed after round 5: ")
+    assert fedavg[4] == "78.0 |"

@@ -19,36 +19,40 @@ EPSILONS = ["1", "4", "8", "inf"]
 METHODS = ["fedavg", "scaffold", "fedrcl"]
 
 
-def final_record(run: Path) -> tuple[dict, int, str]:
-    """The run's last evaluation, its configured rounds and its status (finished, failed or unfinished)."""
-    result = load_run(run)
-    return result.final, result.config["run"]["rounds"], result.summary.get("status", "unfinished")
+def summary(run: Path) -> dict:
+    """summary.json, or {} for a run still going (or killed before it wrote one)."""
+    path = run / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def failure(run: Path) -> str:
     """Why a failed run stopped, in a few words: the first clause of its summary's error and what its clients hit."""
-    result = load_run(run)
-    why = result.summary.get("error", "").split(";")[0]
-    errors = [json.loads(line)["error"] for line in (run / "failures.jsonl").read_text().splitlines()[:1]]
+    why = summary(run).get("error", "").split(";")[0]
+    failures = run / "failures.jsonl"
+    errors = [json.loads(line)["error"] for line in failures.read_text().splitlines()[:1]] if failures.exists() else []
     return why + (f" (clients: {errors[0]})" if errors else "")
 
 
 def cell(out: Path, eps: str, method: str) -> str:
-    found = sorted(p for p in (out / f"eps{eps}").glob(f"{method}-s*") if (p / "metrics.jsonl").exists())
+    found = sorted(p for p in (out / f"eps{eps}").glob(f"{method}-s*") if (p / "config.json").exists())
     if not found:
         return "–"
-    records = [final_record(r) for r in found]
-    acc = mean(100 * r[0]["test_acc"] for r in records)
-    text = f"{acc:.1f}"
+    failed = [run for run in found if summary(run).get("status") == "failed"]
+    why = f"failed after round {summary(failed[0])['rounds_done']}: {failure(failed[0])}" if failed else ""
+    evaluated = [load_run(run) for run in found if (run / "metrics.jsonl").exists()]
+    evaluated = [result for result in evaluated if result.final]
+    if len(evaluated) < len(found):  # a seed without an evaluation: no mean to show
+        return f"[{why or 'not yet evaluated'}]"
+    finals = [result.final for result in evaluated]
+    text = f"{mean(100 * f['test_acc'] for f in finals):.1f}"
     if eps != "inf":
-        spent = mean(r[0]["privacy/epsilon"] for r in records)
-        text += f" (eps {spent:.2f}, z {records[0][0]['privacy/noise_multiplier']:.2f})"
-    rounds = {r[0]["round"] for r in records}
-    failed = [run for run, r in zip(found, records, strict=True) if r[2] == "failed"]
-    if failed:
-        text += f" [last evaluated at round {min(rounds)}; failed: {failure(failed[0])}]"
-    elif any(r[2] != "finished" for r in records):
-        text += f" [round {min(rounds)} of {records[0][1]}, unfinished]"
+        spent = mean(f["privacy/epsilon"] for f in finals)
+        text += f" (eps {spent:.2f}, z {finals[0]['privacy/noise_multiplier']:.2f})"
+    last = min(f["round"] for f in finals)
+    if why:
+        text += f" [last evaluated at round {last}; {why}]"
+    elif any(summary(run).get("status") != "finished" for run in found):
+        text += f" [round {last} of {evaluated[0].config['run']['rounds']}, unfinished]"
     return text
 
 
