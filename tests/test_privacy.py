@@ -65,6 +65,56 @@ def test_central_dp_clips_sums_noises_and_divides_by_the_fixed_denominator():
     assert torch.equal(again.mean(updates), out)  # the k-th release's noise depends on (seed, k) only
 
 
+def test_a_round_without_replies_releases_the_noise_alone():
+    central = dp.CentralDP(central_cfg(noise_multiplier=0.7).privacy, 20, 4, 10, seed=3)
+    out = central.mean([], like=torch.zeros(3))
+    gen = torch.Generator().manual_seed(derive_seed(3, dp.NOISE_STREAM, 1))
+    torch.testing.assert_close(out, torch.randn(3, generator=gen, dtype=torch.float64).float() * 0.7 / 4)
+    assert central.releases == 1 and "privacy/unclipped_fraction" not in central.last  # accounted, nothing clipped
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "scaffold"])
+def test_central_dp_noises_and_accounts_a_round_in_which_every_client_failed(tiny_config, algorithm):
+    # an unchanged model would tell that every sampled client failed: the round still releases a noised mean
+    cfg = tiny_config(
+        run={"name": algorithm, "rounds": 3},
+        algorithm={"name": algorithm},
+        privacy={"mode": "central", "clip": 1.0, "noise_multiplier": 1.0},
+    )
+    sim = Simulation(cfg)
+    original, before = sim.algo.client_update, {}
+
+    def fail_in_round_2(ctx):
+        if ctx.round == 2:
+            before.setdefault("params", sim.algo.global_params.clone())
+            before.setdefault("c", getattr(sim.algo, "c", torch.zeros(0)).clone())
+            raise RuntimeError("every client fails in round 2")
+        if ctx.round == 3:
+            before.setdefault("after", sim.algo.global_params.clone())
+            before.setdefault("c after", getattr(sim.algo, "c", torch.zeros(0)).clone())
+        return original(ctx)
+
+    sim.algo.client_update = fail_in_round_2
+    summary = sim.run()
+    privacy = sim.algo.privacy
+    assert privacy.releases == 3 and summary["empty_rounds"] == 1
+    assert "central DP applied (and accounted) those rounds' noise alone" in " ".join(summary["warnings"])
+    p, m = before["params"].numel(), privacy.per_round
+    noise = torch.randn(
+        p * (2 if algorithm == "scaffold" else 1),
+        generator=torch.Generator().manual_seed(derive_seed(cfg.run.seed, dp.NOISE_STREAM, 2)),
+        dtype=torch.float64,
+    ).float()
+    torch.testing.assert_close(before["after"] - before["params"], noise[:p] / m)  # the noise alone, over m
+    if algorithm == "scaffold":  # c gets the joint vector's second half, as in a round with replies
+        scale = sim.algo.round_lr(2) * privacy.mean_steps
+        expected = noise[p:] / m * (m / scale) / sim.setup.num_clients
+        torch.testing.assert_close(before["c after"] - before["c"], expected)
+    last = read_metrics(sim.run_dir / "metrics.jsonl")[-1]
+    n = sim.setup.num_clients
+    assert last["privacy/epsilon"] == pytest.approx(dp.epsilon(1.0, n, m, 3, cfg.privacy.delta))
+
+
 def test_adaptive_clip_follows_andrew_et_al():
     cfg = central_cfg(noise_multiplier=1.0, adaptive_clip=True, target_quantile=0.7, clip_lr=0.3).privacy
     central = dp.CentralDP(cfg, 50, 20, 10, seed=0)

@@ -141,6 +141,16 @@ class Algorithm:
         self.average_buffers(replies, weights)
         return {}
 
+    def aggregate_empty(self, rnd: int, phase: str) -> None:
+        """``phase`` of round ``rnd`` ended with no reply: nothing to aggregate, and the model stays. Except under
+        central DP, whose guarantee covers every round only if every round releases a noised mean (an unchanged
+        model would tell that every sampled client failed, which depends on their data): the mean of m zero updates
+        plus the round's noise is applied, and the round is accounted. Algorithms that privatise their own vectors
+        (``central_dp = True``) override this with their own noise-only release."""
+        if isinstance(self.privacy, CentralDP):
+            target = self.global_params + self.privacy.mean([], like=self.global_params)
+            self.global_params = self.server_opt.step(self.global_params, target)
+
     def aggregate_target(self, replies: dict[int, Reply], weights: list[float]) -> torch.Tensor:
         """The weighted average of the replied models; with GNE, x + G p (``weights`` are then its fallback)."""
         params = [r.tensors["params"] for r in replies.values()]

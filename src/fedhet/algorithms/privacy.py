@@ -133,16 +133,21 @@ class CentralDP:
             )
         return rest**-0.5
 
-    def mean(self, updates: list[torch.Tensor]) -> torch.Tensor:
+    def mean(self, updates: list[torch.Tensor], like: torch.Tensor | None = None) -> torch.Tensor:
         """sum_i clip(u_i, C) + N(0, (z_u C)^2), over m. The k-th release's noise comes from (seed, k), on the CPU,
-        so it is the same wherever it is drawn and a resumed run (``releases`` is checkpointed) draws the same."""
-        stacked = torch.stack(updates)
+        so it is the same wherever it is drawn and a resumed run (``releases`` is checkpointed) draws the same.
+
+        With no updates (every sampled client failed) the release is the noise alone, shaped ``like``: the mechanism
+        must release something every round, since an unchanged model would tell that every sampled client failed."""
+        stacked = torch.stack(updates) if updates else like.new_zeros(0, like.numel())
         clipped, norms = clip_rows(stacked, self.clip)
         gen = torch.Generator().manual_seed(derive_seed(self.seed, NOISE_STREAM, self.releases + 1))
         noise = torch.randn(stacked.shape[1], generator=gen, dtype=torch.float64)
         total = clipped.sum(0) + (noise * (self.update_noise * self.clip)).to(stacked)
         unclipped = float((norms <= self.clip).sum())
-        self.last = {"privacy/clip": self.clip, "privacy/unclipped_fraction": unclipped / len(updates)}
+        self.last = {"privacy/clip": self.clip}
+        if updates:
+            self.last["privacy/unclipped_fraction"] = unclipped / len(updates)
         if self.cfg.adaptive_clip:
             count = unclipped + float(torch.randn(1, generator=gen, dtype=torch.float64)) * self.count_std
             self.clip *= math.exp(-self.cfg.clip_lr * (count / self.per_round - self.cfg.target_quantile))

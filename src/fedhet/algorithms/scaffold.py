@@ -86,6 +86,13 @@ class Scaffold(Algorithm):
         self.average_buffers(replies, weights)
         return {}
 
+    def aggregate_empty(self, rnd: int, phase: str) -> None:
+        """Central DP with no reply: the joint vector's noise alone moves y and c (Algorithm.aggregate_empty)."""
+        if isinstance(self.privacy, CentralDP):
+            mean_y, sum_c = self.privatised_deltas(rnd, {})
+            target, self.c = self.global_params + mean_y, self.c + sum_c / self.setup.num_clients
+            self.global_params = self.server_opt.step(self.global_params, target)
+
     def privatised_deltas(self, rnd: int, replies: dict[int, Reply]) -> tuple[torch.Tensor, torch.Tensor]:
         """Central DP: each client's joint vector (delta_y, s delta_c) clipped to C as one and noised as one, so the
         pair costs one release. delta_c is about -delta_y / (K eta_l) - c, so s = eta_l K_mean (the round's lr and
@@ -94,7 +101,7 @@ class Scaffold(Algorithm):
         about z C / N, below the model's own z C / m. Returns (noised mean of delta_y, noised sum of delta_c)."""
         scale = self.round_lr(rnd) * self.privacy.mean_steps
         joint = [torch.cat([r.tensors["delta_y"], r.tensors["delta_c"] * scale]) for r in replies.values()]
-        mean = self.privacy.mean(joint)
+        mean = self.privacy.mean(joint, like=None if joint else torch.cat([self.global_params, self.c]))
         p = self.global_params.numel()
         return mean[:p], mean[p:] * (self.privacy.per_round / scale)
 

@@ -71,7 +71,11 @@ class RunHealth:
         if self.empty_rounds:
             notes.append(
                 f"{self.empty_rounds} of {rounds_done} round(s) had no client finish (a phase lost every client); "
-                "the model did not change in those rounds"
+                + (
+                    "central DP applied (and accounted) those rounds' noise alone"
+                    if self.cfg.privacy.mode == "central"
+                    else "the model did not change in those rounds"
+                )
             )
         if self.algo.personalized and rounds_done:
             never = self.fed.num_clients - len(seen)

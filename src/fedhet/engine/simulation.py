@@ -173,6 +173,8 @@ class Simulation:
             self.algo.aggregate(rnd, replies, phase)
             self.algo.account(replies)
             self.seen.update(replies)
+        else:
+            self.algo.aggregate_empty(rnd, phase)
         return RoundResult(replies, failures)
 
     def evaluate(self, rnd: int, result: RoundResult) -> dict[str, Any]:
