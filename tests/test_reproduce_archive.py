@@ -152,7 +152,8 @@ def test_privacy_table_names_a_failed_cell_and_its_reason(tmp_path):
     make_run(out / "epsinf" / "fedavg-s0", "finished", 2, 0.78)
     dp = make_run(out / "eps8" / "fedavg-s0", "failed", 2, 0.16)
     records = [
-        {"round": r, "test_acc": 0.16, "privacy/epsilon": 0.5 * r, "privacy/noise_multiplier": 3.04} for r in (1, 2)
+        {"round": r, "test_acc": acc, "privacy/epsilon": 0.5 * r, "privacy/noise_multiplier": 3.04}
+        for r, acc in ((1, 0.30), (2, 0.16))  # the noise undid progress: the table shows the best beside the final
     ]
     (dp / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     summary = {"status": "failed", "rounds_done": 5, "error": "no client finished round 5; the errors are in ..."}
@@ -168,5 +169,5 @@ def test_privacy_table_names_a_failed_cell_and_its_reason(tmp_path):
     fedavg = next(line for line in table.splitlines() if line.startswith("| fedavg |")).split(" | ")
     assert fedavg[1] == "–"  # epsilon 1: not run
     assert fedavg[2] == "[failed after round 4: no client finished round 5 (clients: FloatingPointError: non-finite)]"
-    assert fedavg[3].startswith("16.0 (eps 1.00, z 3.04) [last evaluated at round 2; failed after round 5: ")
+    assert fedavg[3].startswith("16.0 (best 30.0 at round 1) (eps 1.00, z 3.04) [last evaluated at round 2; failed ")
     assert fedavg[4] == "78.0 |"
