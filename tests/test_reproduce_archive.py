@@ -48,6 +48,25 @@ def test_archive_copies_finished_cells_without_checkpoints(tmp_path):
     assert (dest / "dynamic" / "fedufo-s0" / "sampling.jsonl").read_text().startswith('{"round": 1')
 
 
+def test_archive_keeps_failed_cells_only_when_asked_even_without_metrics(tmp_path):
+    archive = load(REPRODUCE / "archive.py")
+    runs, dest = tmp_path / "runs", tmp_path / "results"
+    late = make_run(runs / "eps8" / "fedavg-s0", "failed", 2, 0.2)
+    early = make_run(runs / "eps4" / "fedavg-s0", "failed", 1, 0.1)
+    (early / "metrics.jsonl").unlink()  # failed before its first evaluation
+    for run in (late, early):
+        (run / "failures.jsonl").write_text('{"round": 3, "error": "FloatingPointError: non-finite"}\n')
+    assert archive.archive(runs, dest) == []
+    assert archive.archive(runs, dest, failed=True) == ["eps4/fedavg-s0", "eps8/fedavg-s0"]
+    assert sorted(p.name for p in (dest / "eps4" / "fedavg-s0").iterdir()) == [
+        "config.json",
+        "failures.jsonl",
+        "summary.json",
+    ]
+    assert (dest / "eps8" / "fedavg-s0" / "metrics.jsonl").exists()
+    assert archive.archive(runs, dest, failed=True) == []  # nothing newer: left alone
+
+
 def test_archive_replaces_a_shorter_copy_and_refuses_another_config(tmp_path):
     archive = load(REPRODUCE / "archive.py")
     runs, dest = tmp_path / "runs", tmp_path / "results"

@@ -13,6 +13,10 @@ experiment: the script stops with the cell's name). The tables scripts read DEST
 ``--partial`` also keeps cells that did not finish (stopped at a deadline, killed): their metrics.jsonl is a true
 record up to its last round, which is what counts as their rounds; a table must then say each cell's round.
 
+``--failed`` also keeps cells whose run failed (summary.json says why, failures.jsonl what the clients hit; their
+metrics, if any, run to the last evaluation before the failure): a failure is a result too, e.g. DP noise that made
+every client's model non-finite.
+
 ``--checkpoint-mb MB`` also keeps a cell's last checkpoint (``checkpoints/last.pt``) where it is at most MB and the
 run folder holds nothing else a resume needs (no client states spilled to disk), so a later session on another
 machine can extend the cell instead of running it again: ``archive.py --restore DEST RUNS_DIR`` copies every archived
@@ -29,13 +33,13 @@ import json
 import shutil
 from pathlib import Path
 
-FILES = ("config.json", "metrics.jsonl", "summary.json", "provenance.json", "sampling.jsonl")
+FILES = ("config.json", "metrics.jsonl", "summary.json", "provenance.json", "sampling.jsonl", "failures.jsonl")
 
 
-def finished_runs(root: Path) -> list[Path]:
+def finished_runs(root: Path, statuses: tuple[str, ...] = ("finished",)) -> list[Path]:
     runs = []
     for summary in sorted(root.rglob("summary.json")):
-        if json.loads(summary.read_text()).get("status") == "finished":
+        if json.loads(summary.read_text()).get("status") in statuses:
             runs.append(summary.parent)
     return runs
 
@@ -55,7 +59,8 @@ def logged_runs(root: Path) -> list[Path]:
 
 def rounds_done(run: Path) -> int:
     """The last round the run's metrics logged (a killed run has no summary to ask)."""
-    lines = (run / "metrics.jsonl").read_text().splitlines()
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []  # a run that failed before evaluating
     return int(json.loads(lines[-1])["round"]) if lines else 0
 
 
@@ -68,9 +73,14 @@ def resumable_checkpoint(run: Path, limit_mb: float) -> Path | None:
     return checkpoint
 
 
-def archive(root: Path, dest: Path, partial: bool = False, checkpoint_mb: float = 0.0) -> list[str]:
+def archive(
+    root: Path, dest: Path, partial: bool = False, checkpoint_mb: float = 0.0, failed: bool = False
+) -> list[str]:
     copied = []
-    for run in logged_runs(root) if partial else finished_runs(root):
+    runs = set(logged_runs(root) if partial else finished_runs(root))
+    if failed:
+        runs |= set(finished_runs(root, ("failed",)))
+    for run in sorted(runs):
         target = dest / run.relative_to(root)
         if (target / "config.json").exists():
             changes = config_differences(target, run)
@@ -112,6 +122,7 @@ def main() -> None:
     parser.add_argument("root", type=Path, help="the runs folder (with --restore: the archive)")
     parser.add_argument("dest", type=Path, help="the archive (with --restore: the runs folder)")
     parser.add_argument("--partial", action="store_true", help="also keep cells that did not finish")
+    parser.add_argument("--failed", action="store_true", help="also keep cells whose run failed (and why)")
     parser.add_argument("--checkpoint-mb", type=float, default=0.0, help="also keep last checkpoints up to this size")
     parser.add_argument("--restore", action="store_true", help="copy archived cells with a checkpoint back to runs")
     args = parser.parse_args()
@@ -121,7 +132,7 @@ def main() -> None:
         if present:
             print("left alone (a run folder is already there):" + "".join(f"\n  {c}" for c in present))
         return
-    copied = archive(args.root, args.dest, args.partial, args.checkpoint_mb)
+    copied = archive(args.root, args.dest, args.partial, args.checkpoint_mb, args.failed)
     print(f"archived {len(copied)} cell(s) into {args.dest}" + "".join(f"\n  {c}" for c in copied))
 
 
