@@ -76,8 +76,7 @@ class Scaffold(Algorithm):
         weights = self.aggregation_weights(replies)
         n = self.setup.num_clients
         if isinstance(self.privacy, CentralDP):
-            mean_y, sum_c = self.privatised_deltas(rnd, replies)
-            target, self.c = self.global_params + mean_y, self.c + sum_c / n
+            target, self.c = self.private_target(rnd, replies)
         else:
             target = self.global_params + weighted_sum([r.tensors["delta_y"] for r in replies.values()], weights)
             # (1/N) sum over the replies keeps c equal to the mean of all N client variates (paper: |S|/N * mean).
@@ -89,21 +88,23 @@ class Scaffold(Algorithm):
     def aggregate_empty(self, rnd: int, phase: str) -> None:
         """Central DP with no reply: the joint vector's noise alone moves y and c (Algorithm.aggregate_empty)."""
         if isinstance(self.privacy, CentralDP):
-            mean_y, sum_c = self.privatised_deltas(rnd, {})
-            target, self.c = self.global_params + mean_y, self.c + sum_c / self.setup.num_clients
+            target, self.c = self.private_target(rnd, {})
             self.global_params = self.server_opt.step(self.global_params, target)
 
-    def privatised_deltas(self, rnd: int, replies: dict[int, Reply]) -> tuple[torch.Tensor, torch.Tensor]:
+    def private_target(self, rnd: int, replies: dict[int, Reply]) -> tuple[torch.Tensor, torch.Tensor]:
         """Central DP: each client's joint vector (delta_y, s delta_c) clipped to C as one and noised as one, so the
         pair costs one release. delta_c is about -delta_y / (K eta_l) - c, so s = eta_l K_mean (the round's lr and
         the local steps of a mean-sized client, both public) puts it on delta_y's scale instead of letting it take
         the whole clip; c then gets noise z C / (N s) per coordinate a round, which moves a client's K steps by
-        about z C / N, below the model's own z C / m. Returns (noised mean of delta_y, noised sum of delta_c)."""
+        about z C / N, below the model's own z C / m. Returns the server's target x + (noised mean of delta_y) and
+        the new c = c + (noised sum of delta_c) / N."""
         scale = self.round_lr(rnd) * self.privacy.mean_steps
         joint = [torch.cat([r.tensors["delta_y"], r.tensors["delta_c"] * scale]) for r in replies.values()]
         mean = self.privacy.mean(joint, like=None if joint else torch.cat([self.global_params, self.c]))
         p = self.global_params.numel()
-        return mean[:p], mean[p:] * (self.privacy.per_round / scale)
+        return self.global_params + mean[:p], self.c + mean[p:] * (
+            self.privacy.per_round / scale
+        ) / self.setup.num_clients
 
     def round_metrics(self, rnd: int) -> dict[str, float]:
         return {"c_norm": float(self.c.norm())}

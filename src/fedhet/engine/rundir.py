@@ -90,8 +90,7 @@ def check_removable(folder: Path) -> None:
 
 
 def remove_run_dir(folder: Path) -> None:
-    """--overwrite: empty a run folder (check_removable), keeping the lock this process holds on it."""
-    check_removable(folder)
+    """--overwrite: empty a run folder that check_removable passed, keeping the lock this process holds on it."""
     for path in folder.iterdir():  # all but this process's lock: a file removed under a lock frees it for others
         if path.name == LOCK_FILE:
             continue
