@@ -26,9 +26,9 @@ def summary(run: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def failure(run: Path) -> str:
+def failure(run: Path, status: dict) -> str:
     """Why a failed run stopped, in a few words: the first clause of its summary's error and what its clients hit."""
-    why = summary(run).get("error", "").split(";")[0]
+    why = status.get("error", "").split(";")[0]
     failures = run / "failures.jsonl"
     errors = [json.loads(line)["error"] for line in failures.read_text().splitlines()[:1]] if failures.exists() else []
     return why + (f" (clients: {errors[0]})" if errors else "")
@@ -38,8 +38,13 @@ def cell(out: Path, eps: str, method: str) -> str:
     found = sorted(p for p in (out / f"eps{eps}").glob(f"{method}-s*") if (p / "config.json").exists())
     if not found:
         return "–"
-    failed = [run for run in found if summary(run).get("status") == "failed"]
-    why = f"failed after round {summary(failed[0])['rounds_done']}: {failure(failed[0])}" if failed else ""
+    status = {run: summary(run) for run in found}
+    failed = [run for run in found if status[run].get("status") == "failed"]
+    why = (
+        f"failed after round {status[failed[0]]['rounds_done']}: {failure(failed[0], status[failed[0]])}"
+        if failed
+        else ""
+    )
     evaluated = [load_run(run) for run in found if (run / "metrics.jsonl").exists()]
     evaluated = [result for result in evaluated if result.final]
     if len(evaluated) < len(found):  # a seed without an evaluation: no mean to show
@@ -56,7 +61,7 @@ def cell(out: Path, eps: str, method: str) -> str:
     last = min(f["round"] for f in finals)
     if why:
         text += f" [last evaluated at round {last}; {why}]"
-    elif any(summary(run).get("status") != "finished" for run in found):
+    elif any(status[run].get("status") != "finished" for run in found):
         text += f" [round {last} of {evaluated[0].config['run']['rounds']}, unfinished]"
     return text
 
