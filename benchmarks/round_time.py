@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from fedhet.config import build_config
-from fedhet.engine.local import batch_indices, num_local_steps
 from fedhet.engine.simulation import Simulation, build_federation
+from fedhet.toolkit.local import batch_indices, num_local_steps
 
 
 def make_config(args: argparse.Namespace):

@@ -31,8 +31,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from fedhet.config import RunSection, build_config  # noqa: E402
-from fedhet.engine.local import batch_indices, num_local_steps  # noqa: E402
 from fedhet.engine.simulation import Simulation, build_federation  # noqa: E402
+from fedhet.toolkit.local import batch_indices, num_local_steps  # noqa: E402
 
 OUT = Path(tempfile.gettempdir()) / "fedhet-throughput"
 FLOOR = f"floor (bare torch, 1 process, {torch.get_num_threads()} threads)"

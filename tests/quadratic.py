@@ -25,7 +25,7 @@ def quadratic_loss(model: TwoParams) -> torch.Tensor:
 def client_context(msg, model, train, *, data=None, state=None, cid: int = 0, seed: int | None = None):
     """A round-1 ClientContext around ``model`` for hand-computed client-side checks (dummy data by default)."""
     from fedhet.algorithms.base import ClientContext, ClientData
-    from fedhet.engine.flat import FlatModel
+    from fedhet.toolkit.flat import FlatModel
 
     data = data or ClientData(torch.zeros(4, 1), torch.zeros(4, dtype=torch.long), 3)
     return ClientContext(

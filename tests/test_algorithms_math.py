@@ -9,8 +9,8 @@ from fedhet.algorithms import ALGORITHMS, Message, Reply, Setup
 from fedhet.algorithms.base import ClientContext, ClientData
 from fedhet.algorithms.server_opt import AdaptiveParams, AvgMParams, FedAdam, FedAvgM, FedYogi
 from fedhet.config import TrainSection
-from fedhet.engine.flat import FlatModel
 from fedhet.models import build_model
+from fedhet.toolkit.flat import FlatModel
 
 
 def make_ctx(algo_name: str, train: TrainSection, n: int = 8, seed: int = 0, **algo_params):
@@ -128,7 +128,7 @@ def test_fedavgm_accumulates_momentum():
 
 def test_momentum_and_weight_decay_follow_torch_sgd():
     """FlatSGD must take exactly the steps torch.optim.SGD takes."""
-    from fedhet.engine.local import FlatSGD
+    from fedhet.toolkit.local import FlatSGD
 
     torch.manual_seed(0)
     model = build_model("mlp", (4,), 3, hidden=[5])

@@ -15,9 +15,9 @@ from fedhet.algorithms import ALGORITHMS, Setup
 from fedhet.algorithms.apple import STATE_P, proximal_weight
 from fedhet.algorithms.base import ClientContext, ClientData, Reply
 from fedhet.config import TrainSection
-from fedhet.engine.flat import FlatModel
 from fedhet.models.base import FedModel
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.flat import FlatModel
 
 D, C, N = 4, 3, 3
 

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedhet.engine.evaluate import client_accuracy
-from fedhet.engine.local import batch_indices, derive_seed
 from fedhet.engine.simulation import Simulation
 from fedhet.errors import ConfigError
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.evaluate import client_accuracy
+from fedhet.toolkit.local import batch_indices, derive_seed
 
 
 def central_config(tiny_config, name="central", algorithm="centralized", rounds=3, **params):

@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 import fedhet
 from fedhet.cli import app
-from fedhet.config import config_markdown
 from fedhet.errors import ConfigError
+from fedhet.reference import config_markdown
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +60,8 @@ def test_config_reference_is_current():
 
 
 def test_config_reference_lists_every_key():
-    from fedhet.config import Config, config_rows
+    from fedhet.config import Config
+    from fedhet.reference import config_rows
 
     keys = {row[0] for row in config_rows()}
     every = {f"{s}.{k}" for s, f in Config.model_fields.items() for k in f.annotation.model_fields}

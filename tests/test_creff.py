@@ -16,10 +16,10 @@ from fedhet.algorithms.creff import CReFF, CReFFConfig, HeadLayout, as_rows, hea
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedhet.config import TrainSection
 from fedhet.engine.client import ClientRunner
-from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation
 from fedhet.models import build_model
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.flat import FlatModel
 
 FAST = {"match_epochs": 20, "retrain_epochs": 30}  # the official 100 / 300 cost seconds per round on tiny runs
 

@@ -16,7 +16,8 @@ from fedhet.cli import app, main
 from fedhet.config import build_config
 from fedhet.errors import ConfigError
 from fedhet.models import fit
-from fedhet.paths import check_config_paths, mlflow_paths
+from fedhet.naming import check_config_paths, default_name
+from fedhet.paths import mlflow_paths
 
 QUIET = ["-s", "run.progress=false", "-s", "partition.min_size=20"]
 
@@ -65,7 +66,7 @@ def test_an_explicit_model_wins_and_params_without_a_name_go_to_the_default():
 def test_the_default_name_is_the_same_with_and_without_the_model_named(tmp_path):
     base = {"run": {"out_dir": str(tmp_path)}, "dataset": {"name": "digits"}}
     named = build_config({**base, "model": {"name": "mlp"}})
-    assert build_config(base).default_name() == named.default_name()
+    assert default_name(build_config(base)) == default_name(named)
 
 
 def test_every_built_in_dataset_gets_a_model_that_fits_it():

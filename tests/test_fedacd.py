@@ -21,11 +21,11 @@ from fedhet.algorithms.fedacd import (
     score,
 )
 from fedhet.config import TrainSection
-from fedhet.engine.confusion import template_kl
-from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation
 from fedhet.errors import ConfigError
 from fedhet.models import build_model
+from fedhet.toolkit.confusion import template_kl
+from fedhet.toolkit.flat import FlatModel
 
 NAN = math.nan
 TAU = 1.0 - 1e-5

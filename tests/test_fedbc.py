@@ -14,11 +14,11 @@ from fedhet.algorithms.base import ClientData
 from fedhet.algorithms.fedbc import FedBC, FedBCConfig
 from fedhet.algorithms.fedprox import FedProx, FedProxConfig
 from fedhet.config import TrainSection, load_config
-from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation, build_federation, resolve_config
 from fedhet.models import build_model
 from fedhet.results.report import group_runs, load_runs, summary_table, to_markdown
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.flat import FlatModel
 
 POWER_LAW = Path(__file__).parents[1] / "benchmarks" / "reproduce" / "fedbc" / "cifar10_powerlaw.toml"
 

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from fedhet.algorithms import ALGORITHMS, Reply, Setup
 from fedhet.algorithms.base import ClientContext, ClientData
 from fedhet.config import TrainSection
-from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation
 from fedhet.models import build_model
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.flat import FlatModel
 
 
 def make_feddyn(num_clients: int = 1, **params):

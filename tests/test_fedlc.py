@@ -13,9 +13,9 @@ from fedhet.algorithms import ALGORITHMS
 from fedhet.algorithms.base import ClientContext, ClientData, Message
 from fedhet.algorithms.fedlc import calibrated_cross_entropy, calibration
 from fedhet.config import TrainSection
-from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation
 from fedhet.models import build_model
+from fedhet.toolkit.flat import FlatModel
 
 
 def test_calibrated_loss_by_hand():

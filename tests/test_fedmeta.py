@@ -15,10 +15,10 @@ from fedhet.algorithms import ALGORITHMS, Reply, Setup
 from fedhet.algorithms.base import ClientData
 from fedhet.algorithms.fedmeta import shared_indices
 from fedhet.config import TrainSection
-from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation
 from fedhet.models.base import FedModel
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.flat import FlatModel
 
 D, C = 4, 3
 

@@ -13,11 +13,11 @@ from fedhet.algorithms import ALGORITHMS, Reply, Setup
 from fedhet.algorithms.base import ClientContext, ClientData
 from fedhet.algorithms.fednh import PrototypeHead, class_prototype_sums, init_prototypes
 from fedhet.config import TrainSection
-from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation
 from fedhet.models import build_model
 from fedhet.models.base import FedModel
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.flat import FlatModel
 
 
 def unit(*v: float) -> list[float]:

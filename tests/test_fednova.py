@@ -10,9 +10,9 @@ from fedhet.algorithms.base import ClientContext, ClientData
 from fedhet.algorithms.fednova import FedNova, FedNovaConfig, effective_steps, normaliser
 from fedhet.algorithms.server_opt import ServerOptimizer, SgdParams
 from fedhet.config import TrainSection
-from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation
 from fedhet.models import build_model
+from fedhet.toolkit.flat import FlatModel
 
 
 def make_algo(train: TrainSection, num_params: int, mu: float = 0.0, server_lr: float = 1.0) -> FedNova:

@@ -13,9 +13,9 @@ from fedhet.algorithms import ALGORITHMS, Setup
 from fedhet.algorithms.base import ClientContext, ClientData
 from fedhet.algorithms.fedntd import not_true, ntd_loss
 from fedhet.config import TrainSection
-from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation
 from fedhet.models import build_model
+from fedhet.toolkit.flat import FlatModel
 
 
 def test_not_true_drops_the_label_column():

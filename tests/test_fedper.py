@@ -15,10 +15,10 @@ from fedhet.algorithms.fedper import PERSONAL
 from fedhet.algorithms.partial import top_layers
 from fedhet.algorithms.server_opt import AdaptiveParams, FedAdam, ServerOptimizer
 from fedhet.config import TrainSection
-from fedhet.engine.flat import FlatModel
 from fedhet.errors import ConfigError
 from fedhet.models.base import FedModel
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.flat import FlatModel
 
 D, C = 5, 3
 HEAD = D * C + C  # head weight and bias

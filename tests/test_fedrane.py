@@ -18,8 +18,6 @@ from fedhet.algorithms.base import ClientContext, ClientData, Message, Reply
 from fedhet.algorithms.fedacd import draw_mix
 from fedhet.algorithms.fedrane import LOCAL
 from fedhet.config import TrainSection
-from fedhet.engine.evaluate import evaluate, local_test_acc
-from fedhet.engine.flat import FlatModel
 from fedhet.errors import ConfigError
 from fedhet.models.base import FedModel
 from fedhet.models.lra import (
@@ -33,6 +31,8 @@ from fedhet.models.lra import (
     slim_solve,
 )
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.evaluate import evaluate, local_test_acc
+from fedhet.toolkit.flat import FlatModel
 
 D, C = 6, 3
 

@@ -15,9 +15,9 @@ from fedhet.algorithms.base import ClientContext, ClientData
 from fedhet.algorithms.fedrod import PERSONAL, balanced_softmax_loss
 from fedhet.algorithms.server_opt import AdaptiveParams, FedAdam, ServerOptimizer
 from fedhet.config import TrainSection
-from fedhet.engine.flat import FlatModel
 from fedhet.models.base import FedModel
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.flat import FlatModel
 
 D, C = 5, 3
 

@@ -12,12 +12,12 @@ from fedhet.algorithms import ALGORITHMS, Setup
 from fedhet.algorithms import fedufo as ufo
 from fedhet.algorithms.base import ClientContext, ClientData
 from fedhet.config import TrainSection
-from fedhet.engine.flat import FlatModel
-from fedhet.engine.local import batch_indices
 from fedhet.engine.simulation import Simulation, build_training
 from fedhet.errors import ConfigError
 from fedhet.models import build_model
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.flat import FlatModel
+from fedhet.toolkit.local import batch_indices
 
 PRESETS = ["fedufo", "feduad", "fedufo_cls", "fedufo_cgr", "fedufo_cgl", "fedufo_uad_cgr", "fedufo_uad_cgl"]
 
@@ -458,8 +458,8 @@ def spy_phase_b_disc(monkeypatch):
 
 
 def test_fresh_disc_mode_starts_every_phase_b_from_a_fresh_d_drawn_from_the_rounds_seed(tiny_config, monkeypatch):
-    from fedhet.engine.local import derive_seed
     from fedhet.models.discriminator import ClientDiscriminator
+    from fedhet.toolkit.local import derive_seed
 
     seen = spy_phase_b_disc(monkeypatch)
     algo = {"name": "fedufo", "stage1_rounds": 1, "disc_mode": "fresh"}

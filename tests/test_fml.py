@@ -14,9 +14,9 @@ from fedhet.algorithms import ALGORITHMS, Setup
 from fedhet.algorithms.base import ClientContext, ClientData
 from fedhet.algorithms.fml import MOMENTUM, PRIVATE, mutual_loss
 from fedhet.config import TrainSection
-from fedhet.engine.flat import FlatModel
 from fedhet.models.base import FedModel
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.flat import FlatModel
 
 D, C = 4, 3
 

@@ -13,10 +13,10 @@ from fedhet.algorithms.base import ClientContext, ClientData
 from fedhet.algorithms.moon import moon_contrastive_loss
 from fedhet.algorithms.server_opt import ServerOptimizer, SgdParams
 from fedhet.config import TrainSection
-from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation
 from fedhet.errors import ConfigError
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.flat import FlatModel
 
 
 def naive_loss(z, z_pos, z_negs, tau):

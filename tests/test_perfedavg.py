@@ -12,9 +12,9 @@ from fedhet.algorithms import Setup
 from fedhet.algorithms.base import ClientData
 from fedhet.algorithms.perfedavg import PerFedAvg, PerFedAvgConfig
 from fedhet.config import TrainSection
-from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation
 from fedhet.models import build_model
+from fedhet.toolkit.flat import FlatModel
 
 
 class QuadraticPerFedAvg(PerFedAvg):

@@ -12,10 +12,10 @@ from fedhet.algorithms import ALGORITHMS, Reply, Setup
 from fedhet.algorithms.base import ClientContext, ClientData
 from fedhet.algorithms.pfedme import PFedMe, PFedMeConfig
 from fedhet.config import TrainSection
-from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation
 from fedhet.models import build_model
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.flat import FlatModel
 
 
 class QuadraticPFedMe(PFedMe):

@@ -13,11 +13,11 @@ from test_results import make_run
 
 from fedhet.data.types import ArrayDataset
 from fedhet.engine.batched import choose_executor
-from fedhet.engine.confusion import probability_matrix, soft_confusion, template, template_kl
-from fedhet.engine.evaluate import client_test_samples, local_risk, sampled_distribution_acc
 from fedhet.engine.simulation import Simulation, build_training
 from fedhet.results.report import group_runs, load_runs, print_table, summary_table, to_markdown
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.confusion import probability_matrix, soft_confusion, template, template_kl
+from fedhet.toolkit.evaluate import client_test_samples, local_risk, sampled_distribution_acc
 
 
 class Identity(torch.nn.Module):

@@ -11,10 +11,10 @@ from fedhet.algorithms.base import ClientContext, ClientData
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedhet.algorithms.qfedavg import QFedAvg, QFedAvgConfig
 from fedhet.config import TrainSection
-from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation
 from fedhet.models import build_model
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.flat import FlatModel
 
 TRAIN = TrainSection(batch_size=8, local_steps=3, lr=0.2)
 

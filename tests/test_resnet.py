@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from fedhet.engine.flat import FlatModel
 from fedhet.errors import ConfigError
 from fedhet.models import build_model
 from fedhet.models.resnet import RESNET_LEVELS, BasicBlock
+from fedhet.toolkit.flat import FlatModel
 
 
 def test_full_width_has_resnet18_parameter_count():

@@ -57,7 +57,7 @@ def test_performance_is_each_clients_accuracy_on_its_local_test_data(tiny_config
 def test_uniform_sampling_is_unchanged(tiny_config):
     uniform = Simulation(dyn_config(tiny_config, sampling="uniform"))
     rng = np.random.default_rng
-    from fedhet.engine.local import derive_seed
+    from fedhet.toolkit.local import derive_seed
 
     for rnd in (1, 2, 3):
         want = sorted(int(c) for c in rng(derive_seed(0, rnd, 0x5A)).choice(10, size=4, replace=False))

@@ -11,10 +11,10 @@ from fedhet.algorithms.base import ClientData
 from fedhet.algorithms.scaffold import Scaffold, ScaffoldConfig
 from fedhet.algorithms.server_opt import ServerOptimizer, SgdParams
 from fedhet.config import TrainSection
-from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation
 from fedhet.models import build_model
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.flat import FlatModel
 
 
 class QuadraticScaffold(Scaffold):

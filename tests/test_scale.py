@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from fedhet.data.types import DataError
-from fedhet.engine.evaluate import evaluate, local_test_acc
 from fedhet.engine.simulation import Simulation
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.evaluate import evaluate, local_test_acc
 
 
 def test_local_test_accuracy_in_shared_batches_equals_one_pass_per_client(tiny_config):

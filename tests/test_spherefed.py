@@ -20,9 +20,9 @@ from fedhet.algorithms.spherefed import (
     sphere_loss,
 )
 from fedhet.config import TrainSection
-from fedhet.engine.flat import FlatModel
 from fedhet.models.base import FedModel
 from fedhet.results.store import read_metrics
+from fedhet.toolkit.flat import FlatModel
 
 D, C = 5, 3
 

@@ -104,7 +104,7 @@ def test_a_personalised_run_says_how_many_clients_never_trained(tiny_config):
 
 
 def test_a_client_without_training_samples_is_dropped_not_hung():
-    from fedhet.engine.local import batch_indices
+    from fedhet.toolkit.local import batch_indices
 
     with pytest.raises(ValueError, match="no training samples"):
         next(batch_indices(0, 16, 1, torch.Generator()))

@@ -488,14 +488,6 @@ class Config(_Strict):
         ``scaffold-fmnist-dirichlet-s0``."""
         return f"{self.algorithm.name}-{self.dataset.name}-{self.partition.name}-s{self.run.seed}"
 
-    def default_name(self) -> str:
-        """The run folder's name when ``run.name`` is unset: ``fedhet.naming.default_name`` (the hash of the
-        settings that are not their defaults needs the registries, which this module sits under). A method for
-        callers written before naming.py; fedhet's own modules call ``fedhet.naming``."""
-        from fedhet.naming import default_name
-
-        return default_name(self)
-
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
 
@@ -655,16 +647,3 @@ def saved_run_config(run_dir: str | Path, overrides: list[str] | None = None) ->
     for item in overrides or []:
         apply_override(raw, item)
     return build_config(raw)
-
-
-# Moved above the registries they list (fedhet/reference.py): importable from here for callers written before
-# (tests/test_cli_consistency.py); no fedhet module imports them from here.
-_MOVED = ("config_rows", "config_markdown")
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from fedhet import reference
-
-    return getattr(reference, name)

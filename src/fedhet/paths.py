@@ -304,14 +304,3 @@ def mlflow_paths(uri: str | None, out_dir: PathLike) -> list[tuple[Path, str]]:
     if not parsed.scheme or len(parsed.scheme) == 1:  # a plain path (a Windows drive letter looks like a scheme)
         return [(Path(uri), "MLflow store")]
     return []
-
-
-def __getattr__(name: str) -> object:
-    # check_config_paths names the run folder, which needs the registries: it lives in fedhet/naming.py now, and is
-    # importable from here for callers written before (tests/test_defaults_and_paths.py); no fedhet module imports it
-    # from here
-    if name != "check_config_paths":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from fedhet.naming import check_config_paths
-
-    return check_config_paths

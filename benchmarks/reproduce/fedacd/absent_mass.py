@@ -18,8 +18,8 @@ import torch
 
 from fedhet.config import build_config
 from fedhet.engine.checkpoint import load_latest
-from fedhet.engine.confusion import PAPER_TAU, probability_matrix, soft_confusion, template_kl
 from fedhet.engine.simulation import build_federation, build_training
+from fedhet.toolkit.confusion import PAPER_TAU, probability_matrix, soft_confusion, template_kl
 
 
 def client_rows(algo: str, runs: Path) -> list[tuple[int, float, float, float]]:

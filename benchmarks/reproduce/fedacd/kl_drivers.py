@@ -16,7 +16,7 @@ the run's next round would (the engine's client runner, its seed for that round)
 * ``plain CE``: FedAvg's local training (cross-entropy), same optimiser.
 
 It prints the mean over clients of KL(P || Q) with FedACD's template (tau = 1 - 1e-5, mean over the present rows,
-``engine.confusion.template_kl``, the quantity of Table 9 and of the run's ``local_kl``) on each client's clean local
+``toolkit.confusion.template_kl``, the quantity of Table 9 and of the run's ``local_kl``) on each client's clean local
 training data, after ``--steps`` local steps (1: a single SGD step) and after the full local round (the run's 5
 epochs). It first checks ``template_kl`` against a naive double loop on the first client's P.
 """
@@ -34,8 +34,8 @@ import torch
 from fedhet.algorithms import fedacd
 from fedhet.config import build_config
 from fedhet.engine.checkpoint import load_latest
-from fedhet.engine.confusion import PAPER_TAU, probability_matrix, soft_confusion, template_kl
 from fedhet.engine.simulation import build_federation, build_training
+from fedhet.toolkit.confusion import PAPER_TAU, probability_matrix, soft_confusion, template_kl
 
 VARIANTS = {  # name -> (algorithm, algorithm overrides, L1 on)
     "as run": ("fedacd", {}, True),

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from fedhet.config import build_config
 from fedhet.engine.checkpoint import read_checkpoint
-from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import Simulation
+from fedhet.toolkit.flat import FlatModel
 
 
 def finetune(sim: Simulation, params: torch.Tensor, cid: int, lr: float, epochs: int = 5) -> None:

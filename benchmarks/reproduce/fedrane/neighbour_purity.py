@@ -30,9 +30,9 @@ import torch
 
 from fedhet.config import build_config
 from fedhet.engine.checkpoint import load_latest
-from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import build_federation, build_training
 from fedhet.models import lra as lra_mod
+from fedhet.toolkit.flat import FlatModel
 
 
 def load(run: Path):

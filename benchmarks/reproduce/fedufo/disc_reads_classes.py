@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from fedhet.config import build_config
 from fedhet.engine.checkpoint import load_latest
-from fedhet.engine.flat import FlatModel
 from fedhet.engine.simulation import build_federation, build_training
+from fedhet.toolkit.flat import FlatModel
 
 
 def measure(run: Path) -> dict[str, float]:

@@ -34,7 +34,7 @@ correlation, so LRA passes it through unchanged.
 LRA is batch-dependent: a sample's z~ depends on the other samples of its batch. In eval mode it therefore either
 runs on chunks of exactly ``eval_batch`` samples (``at_eval``; the last chunk may be short) or is skipped (z~ = z,
 the official evaluation). ``attach_lra`` records that chunk size as the model's ``transductive_batch``, and the
-engine's evaluation (``engine/evaluate.py``) then cuts every test set into those chunks whatever
+engine's evaluation (``toolkit/evaluate.py``) then cuts every test set into those chunks whatever
 ``run.eval_batch_size`` says, so a reported accuracy never depends on how the test set was cut.
 """
 
