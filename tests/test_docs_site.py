@@ -44,6 +44,17 @@ def test_every_doc_page_is_built_with_the_api_reference(site):
         assert f'id="fedhet.{name}"' in registries, name
 
 
+def test_the_home_page_defines_every_link_the_readme_defines():
+    """docs/index.md includes README.md up to its link definitions and defines them anew for the site (a link
+    it left undefined would show as bracketed text, which no build warns about)."""
+    labels = re.compile(r"^\[([^\]]+)\]: ", re.M)
+    readme, home = (ROOT / "README.md").read_text(), (ROOT / "docs" / "index.md").read_text()
+    assert readme.count("--8<-- [end:home]") == 1
+    assert set(labels.findall(readme)) == set(labels.findall(home)) != set()
+    used = set(re.findall(r"\]\[([^\]]+)\]", readme.split("--8<-- [end:home]")[0]))
+    assert used <= set(labels.findall(home)), used - set(labels.findall(home))
+
+
 @pytest.mark.skipif(browser() is None, reason=MISSING)
 def test_the_home_page_and_the_api_page_render_in_headless_chromium(site, tmp_path):
     home = headless(site / "index.html", tmp_path / "profile", "--dump-dom")
