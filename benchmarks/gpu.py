@@ -1,5 +1,5 @@
-"""Seconds per round on a GPU (issue 29): fedhet's sequential and batched executors, bf16, Flower's Ray simulation
-and a bare-torch floor, in one command.
+"""Seconds per round on a GPU (docs/performance.md, "On a GPU"): fedhet's sequential and batched executors, bf16,
+Flower's Ray simulation and a bare-torch floor, in one command.
 
     python benchmarks/gpu.py [--device cuda] [--flower] [--out runs/gpu-bench]   # the real shapes (CUDA)
     python benchmarks/gpu.py --small --device cpu                                # tiny shapes, seconds (the test)

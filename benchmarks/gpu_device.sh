@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The one-shot GPU check of issue 29, for the device tool's `run` (15 minutes of device time in all): run it as
-#     bash benchmarks/gpu_wheels.sh        # here, once: the few wheels the device's python3 lacks, into .whl/
-#     run(command="bash benchmarks/gpu_device.sh", carry=[".whl"], timeout_s=480)
-# which leaves room for one rerun. It installs only the carried wheels, into /tmp/site. It needs a Python whose torch sees CUDA: a .venv there if
-# its torch is a CUDA build (this checkout's .venv holds a CPU torch and is far over the tool's 64 MiB carry limit),
-# else the machine's python3, with fedhet's src/ on PYTHONPATH: fedhet's dependencies (pydantic, numpy, typer, flwr
+# The GPU check in one command (docs/performance.md, "On a GPU"), about 8 minutes, for a CUDA machine that may have
+# no internet access:
+#     bash benchmarks/gpu_wheels.sh        # first, where pip can download: the few wheels fedhet needs, into .whl/
+#     bash benchmarks/gpu_device.sh        # then on the GPU machine, in a copy of this checkout that includes .whl/
+# It installs only the copied wheels, into /tmp/site. It needs a Python whose torch sees CUDA: a .venv there if its
+# torch is a CUDA build (`make setup` installs the CPU build, and a .venv is too large to copy along), else the
+# machine's python3, with fedhet's src/ on PYTHONPATH: fedhet's dependencies (pydantic, numpy, typer, flwr
 # for the Flower case...) must then be importable there; the script stops with exit 2 and nvidia-smi's output if no
 # Python qualifies. Results land in $OUT (gpu.json, gpu.md, the test and nvidia-smi output).
 set -u
 OUT=${OUT:-runs/gpu-bench}
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then  # carried wheels (gpu_wheels.sh): pydantic and friends
+if compgen -G ".whl/*.whl" >/dev/null; then  # copied wheels (gpu_wheels.sh): pydantic and friends
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl &&
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -33,10 +34,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 # the GPU tests of the batched executor (equality at a GPU tolerance, no host sync per step): about 30 s
 timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py -k "batched or sync" 2>&1 | tail -15 |
     tee "$OUT/test_cuda.txt"
-# rounds 2-4 are timed (4 rounds, not 6, so every case fits in one call); Flower runs last
+# rounds 2-4 are timed (4 rounds, not 6, so the whole check stays near 8 minutes); Flower runs last
 flower=()
 if "$PY" -c "import flwr, ray" 2>/dev/null; then flower=(--flower); else
-    echo "Flower's Ray simulation is not installed here (Ray's wheel is over the carry limit): case (a) runs without it"
+    echo "Flower's Ray simulation is not installed here (Ray's wheel is not among the copied ones): case (a) runs without it"
 fi
 timeout 330 "$PY" benchmarks/gpu.py --device cuda --rounds 4 "${flower[@]}" --out "$OUT" 2>&1 | grep -v "^warning" |
     tee "$OUT/bench.log"

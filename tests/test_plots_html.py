@@ -1,11 +1,10 @@
 """Curves that stay readable with 20 methods, and the self-contained HTML report (issue 16)."""
 
 import re
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
+from browser import MISSING, browser, headless
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from PIL import Image
 
@@ -112,18 +111,11 @@ def test_the_html_report_is_one_self_contained_page(twenty, tmp_path):
     assert "each seed draws its own partition" in page
 
 
-def browser():
-    return next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
-
-
-@pytest.mark.skipif(browser() is None, reason="needs chromium (make test installs it where apt-get is available)")
+@pytest.mark.skipif(browser() is None, reason=MISSING)
 def test_the_html_report_renders_in_headless_chromium(twenty, tmp_path):
     page = write_html(twenty[:20], tmp_path / "report.html", panels="family")
     shot = tmp_path / "shot.png"
-    command = [browser(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
-               f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,2000", f"--screenshot={shot}",
-               page.as_uri()]  # fmt: skip
-    subprocess.run(command, check=True, capture_output=True, timeout=120)
+    headless(page, tmp_path / "profile", "--window-size=1280,2000", f"--screenshot={shot}")
     image = np.asarray(Image.open(shot).convert("RGB")).astype(int)
     assert image.shape[:2] == (2000, 1280)
     dark = (image.sum(axis=2) < 200).mean()  # text and table rules

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 31's privacy benchmark (benchmarks/privacy/fmnist.toml): FedAvg, SCAFFOLD and FedRCL with client-level DP at
-# epsilon 1, 4, 8 (delta 1e-5) and without DP. One `fedhet compare` per epsilon; rerunning skips finished cells and
-# continues killed ones from their last checkpoint, so the script is safe to kill and restart.
+# The privacy benchmark of docs/privacy-robustness.md (benchmarks/privacy/fmnist.toml): FedAvg, SCAFFOLD and FedRCL with
+# client-level DP at epsilon 1, 4, 8 (delta 1e-5) and without DP. One `fedhet compare` per epsilon; rerunning skips
+# finished cells and continues killed ones from their last checkpoint, so the script is safe to kill and restart.
 # Usage: [JOBS=N] [OUT=dir] [ROUNDS=R] run.sh [SEEDS] [-- MORE_COMPARE_OPTIONS]     e.g. run.sh 0 -- --dry-run
 # Results: OUT/eps<E>/<method>-s<seed> (OUT default runs/privacy-fmnist); tables.py OUT prints the markdown table of
 # docs/privacy-robustness.md. ROUNDS shortens the runs (the noise is then computed for ROUNDS rounds).

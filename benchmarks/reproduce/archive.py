@@ -18,7 +18,7 @@ metrics, if any, run to the last evaluation before the failure): a failure is a 
 every client's model non-finite.
 
 ``--checkpoint-mb MB`` also keeps a cell's last checkpoint (``checkpoints/last.pt``) where it is at most MB and the
-run folder holds nothing else a resume needs (no client states spilled to disk), so a later session on another
+run folder holds nothing else a resume needs (no client states spilled to disk), so a later run on another
 machine can extend the cell instead of running it again: ``archive.py --restore DEST RUNS_DIR`` copies every archived
 cell that has one back under RUNS_DIR (never over a run folder already there), and rerunning the reproduction's
 command with more rounds continues them (the resume warns that floats round differently on another machine).

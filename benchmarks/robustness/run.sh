@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 31's robustness benchmark (benchmarks/robustness/fmnist.toml): every (attack, aggregation) pair for FedAvg,
-# and SCAFFOLD with its own aggregation. One `fedhet compare` per pair; rerunning skips finished cells and continues
-# killed ones from their last checkpoint, so the script is safe to kill and restart.
+# The robustness benchmark of docs/privacy-robustness.md (benchmarks/robustness/fmnist.toml): every (attack,
+# aggregation) pair for FedAvg, and SCAFFOLD with its own aggregation. One `fedhet compare` per pair; rerunning skips
+# finished cells and continues killed ones from their last checkpoint, so the script is safe to kill and restart.
 # Usage: [JOBS=N] [OUT=dir] [ATTACKS="none sign_flip backdoor"] run.sh [SEEDS] [-- MORE_COMPARE_OPTIONS]
 #        e.g. run.sh 0 -- --dry-run; ATTACKS=backdoor run.sh 0 (two such scripts may share OUT: a run folder that the
 #        other is training is refused, not shared)

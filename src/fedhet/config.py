@@ -234,8 +234,8 @@ class ServerSection(_Component):
     # How the target model is formed before the server optimiser steps: "weights" is the algorithm's own weighted
     # average; "gne" replaces its weights by FedRANE's Nash-bargaining weights (Liao et al. 2023, algorithms/gne.py),
     # for algorithms whose server takes a weighted average of the client models.
-    # "median", "trimmed_mean", "krum", "multikrum" and "geomed" are robust rules on the client deltas (issue 31,
-    # algorithms/robust.py): Yin et al. 2018, Blanchard et al. 2017, RFA (Pillutla et al. 2022)
+    # "median", "trimmed_mean", "krum", "multikrum" and "geomed" are robust rules on the client deltas
+    # (algorithms/robust.py): Yin et al. 2018, Blanchard et al. 2017, RFA (Pillutla et al. 2022)
     aggregation: Literal["weights", "gne", "median", "trimmed_mean", "krum", "multikrum", "geomed"] = "weights"
     # GNE's solver of G^T G p = 1/p: "newton" (the notes' exact convex form) or "ccp" (the paper's Eqs. 15-16)
     gne_solver: Literal["newton", "ccp"] = "newton"
@@ -276,7 +276,7 @@ class ServerSection(_Component):
 
 
 class AttackSection(_Strict):
-    """Attacks for evaluation (issue 31; engine/attack.py): a seeded ``fraction`` of the clients is malicious for the
+    """Attacks for evaluation (engine/attack.py): a seeded ``fraction`` of the clients is malicious for the
     whole run (``attack.json`` in the run folder names them). Data attacks change their training batches
     (``label_flip``: y -> C - 1 - y; ``backdoor``: a white square in the bottom-right corner and the ``target`` label
     on a ``poison_fraction`` of each batch), update attacks their replies, as deltas from the received model
@@ -310,7 +310,7 @@ class AttackSection(_Strict):
 
 
 class TrackingSection(_Strict):
-    """Optional experiment trackers (issue 16), each off by default; the run folder stays the record of truth.
+    """Optional experiment trackers, each off by default; the run folder stays the record of truth.
 
     Trackers only receive copies of what the run folder gets (config, metrics, summary) and never change a run's
     numbers, so they may be switched on or off when a run is resumed (``fedhet resume RUN -s tracking.mlflow=true``).
@@ -341,7 +341,7 @@ class TrackingSection(_Strict):
 
 
 class PrivacySection(_Strict):
-    """Differential privacy (issue 31; docs/privacy-robustness.md, algorithms/privacy.py). ``central``: client-level
+    """Differential privacy (docs/privacy-robustness.md, algorithms/privacy.py). ``central``: client-level
     DP-FedAvg at the server (McMahan et al. 2018), each client's update clipped to ``clip`` and Gaussian noise
     ``noise_multiplier * clip`` on their sum; ``local``: sample-level DP-SGD inside every client's local loop (Abadi
     et al. 2016). Epsilon at ``delta`` is accounted with Google's dp-accounting (the ``privacy`` extra)."""
@@ -352,7 +352,7 @@ class PrivacySection(_Strict):
     # z: noise std over C; exactly one of noise_multiplier and target_epsilon (which computes z before round 1)
     noise_multiplier: float | None = Field(None, ge=0.0)
     target_epsilon: float | None = Field(None, gt=0.0)  # central only: reached after run.rounds rounds
-    # the issue's benchmark value; below 1/N for any federation (central) or client (local) of fewer than 1e5 units
+    # benchmarks/privacy/'s value; below 1/N for any federation (central) or client (local) of fewer than 1e5 units
     delta: float = Field(1e-5, gt=0.0, lt=1.0)
     # Andrew et al. 2021: the clip follows the target_quantile of the update norms, C <- C exp(-clip_lr (b - q))
     adaptive_clip: bool = False

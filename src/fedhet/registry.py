@@ -1,7 +1,7 @@
 """Name -> factory registries for datasets, partitioners, models and algorithms.
 
 Every entry carries a one-line summary and, optionally, a pydantic model of its parameters (a subclass of
-:class:`fedhet.params.Params`, so unknown keys, non-finite floats and booleans for numbers are refused alike), so
+``fedhet.params.Params``, so unknown keys, non-finite floats and booleans for numbers are refused alike), so
 `fedhet list` can show what exists and configuration errors can name the valid choices.
 """
 
@@ -78,6 +78,8 @@ class Registry:
             _SECTION_OF[kind] = section
 
     def register(self, name: str, summary: str, params: type[BaseModel] | None = None) -> Callable[[Any], Any]:
+        """A decorator that adds the class or function it decorates as ``name``, with its one-line ``summary`` (what
+        ``fedhet list`` shows) and ``params``, the ``Params`` model its config keys are validated against."""
         if params is not None and not issubclass(params, Params):
             raise TypeError(
                 f"{self.kind} {name!r}: its parameters {params.__name__} must derive from fedhet.params.Params"

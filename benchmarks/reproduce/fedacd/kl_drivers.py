@@ -1,5 +1,5 @@
 """What drives FedACD's Table 9 KL(P || Q): the same local training from the same global model with one part of
-FedACD's loss switched off at a time. Evidence for docs/reproductions/fedacd.md (Table 9 discussion, issue 30).
+FedACD's loss switched off at a time. Evidence for docs/reproductions/fedacd.md (Table 9 discussion).
 
     fedhet run -c benchmarks/reproduce/fedacd/fmnist.toml -a fedacd -s partition.alpha=0.1 --seed 0 -r 10 \
         -s run.eval_local_models=false -s run.client_dist_sampled=false --threads 1 -o runs/acd-kl --name fedacd

@@ -1,6 +1,6 @@
 """Whom LRA lets a sample read: how many of its neighbours share its class, how much attention they get, and what
 the same model scores when its neighbours are restricted to its own class. Evidence for
-docs/reproductions/fedrane.md ("Why LRA costs accuracy", issue 30).
+docs/reproductions/fedrane.md ("What LRA does to a sample's representation").
 
     python benchmarks/reproduce/fedrane/neighbour_purity.py RUN [RUN ...]
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# FedRANE's residual_mix (issue 30, docs/reproductions/fedrane.md "Why LRA costs accuracy"): the 20 % study protocol
-# of lra_study.sh (alpha 0.5, 5 rounds, seed 0, one torch thread), the predictor reading 0.9 z + 0.1 z~ as the
+# FedRANE's residual_mix (docs/reproductions/fedrane.md "What LRA does to a sample's representation"): the 20 % study
+# protocol of lra_study.sh (alpha 0.5, 5 rounds, seed 0, one torch thread), the predictor reading 0.9 z + 0.1 z~ as the
 # official code's unused LocalGModel, for FedRANE without GNE and with it; and the paper reading (rane-h0 of
 # lra_study.sh) run again here so that its checkpoint is at hand for neighbour_purity.py, which then measures all
 # three. Rerunning skips finished runs. Results: runs/reproduce/fedrane-residual/<name>; archived in

@@ -25,7 +25,7 @@ from fedhet.results.report import Run, load_run
 
 ALPHAS = ("0.1", "0.5", "5")
 RESULTS = Path(__file__).parent / "results"  # archived finished cells (benchmarks/reproduce/archive.py)
-FLAG = 1.5  # points; the threshold for a cell that needs an explanation
+FLAG = 1.5  # points from the paper: a cell this far off gets an explanation in docs/reproductions/fedrane.md
 NAMES = {
     "fedavg": "FedAvg",
     "fedprox": "FedProx",

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# FedUFO's discriminator readings (issue 30, docs/reproductions/fedufo.md "Discriminator readings"): the E = 10,
+# FedUFO's discriminator readings (docs/reproductions/fedufo.md "Discriminator readings"): the E = 10,
 # 100-round Fashion-MNIST protocol of fmnist.toml for FedUFO with algorithm.disc_mode = fresh and frozen, beside the
 # +cgr / +cgl ablations, one cell at a time on one torch thread, whole seeds first (seed 0, then 1, then 2).
 #
 # 1. The KL reduction for "frozen": the short protocol (E = 2, 30 rounds, stage one 15 rounds, evaluated every
 #    round, seed 0) with batchmean and with mean; the one with the higher mean accuracy over the last five rounds
-#    runs at full length. "fresh" takes kl_reduction = "mean" from issue 30's short runs (73.2 against 72.4, seed 0).
+#    runs at full length. "fresh" takes kl_reduction = "mean" from short runs not archived (73.2 against 72.4, seed 0).
 # 2. The long cells. Rerunning the script skips finished cells and resumes killed ones (fedhet compare); the short
 #    runs are skipped once finished. FedAvg and the seed-0 ablations are archived already (results/).
 #

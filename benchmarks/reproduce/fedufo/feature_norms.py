@@ -1,6 +1,5 @@
 """What local training does to the features and logits, global model against the clients' local models: the
-mechanism behind FedUFO's readings of its discriminator (docs/reproductions/fedufo.md, "Discriminator readings",
-issue 30).
+mechanism behind FedUFO's readings of its discriminator (docs/reproductions/fedufo.md, "Discriminator readings").
 
     python benchmarks/reproduce/fedufo/feature_norms.py RUN [RUN ...] [--clients 10]
 

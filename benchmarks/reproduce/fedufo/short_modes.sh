@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# FedUFO's discriminator readings on the short protocol (issue 30; docs/reproductions/fedufo.md "Discriminator
-# readings"): fmnist.toml cut to E = 2 and 30 rounds, stage one 15 rounds, evaluated every round, seed 0, one torch
-# thread, one run at a time; then feature_norms.py on every run's last model. disc_modes.sh runs the two frozen runs
+# FedUFO's discriminator readings on the short protocol (docs/reproductions/fedufo.md "Discriminator readings"):
+# fmnist.toml cut to E = 2 and 30 rounds, stage one 15 rounds, evaluated every round, seed 0, one torch thread, one
+# run at a time; then feature_norms.py on every run's last model. disc_modes.sh runs the two frozen runs
 # first (to pick frozen's KL reduction); this script skips every finished run. fresh with batchmean is left out
-# (issue 30 reports it from an earlier session: 72.4 against mean's 73.2, seed 0). Results: runs/ufo-short/<name>,
+# (runs not archived gave it 72.4 against mean's 73.2, seed 0). Results: runs/ufo-short/<name>,
 # archived in benchmarks/reproduce/fedufo/results-short/.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."

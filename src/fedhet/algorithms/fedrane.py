@@ -38,7 +38,8 @@ On Fashion-MNIST (``train_fraction`` 0.1, 20 clients, Dirichlet 0.5, ``convnet``
 epochs at B = 128, lr 0.05, momentum 0.9): FedAvg 0.725, FedRANE-w/o-GNE eq4 with one solve 0.519, with 3 0.293,
 kkt 0.516. z~_i is built from the neighbours alone (no self term), so LRA learns more slowly than a plain model.
 ``residual_mix`` m (not in the paper, default 0) lets the predictor read m z + (1 - m) z~ instead, as the official
-code's unused ``LocalGModel`` does with m = 0.9 (docs/reproductions/fedrane.md, issue 30).
+code's unused ``LocalGModel`` does with m = 0.9 (docs/reproductions/fedrane.md, "What LRA does to a sample's
+representation").
 
 Presets: ``fedrane_wo_lra`` (no LRA block, no CD term: the CD loss needs z~, notes gotcha 16; GNE) and
 ``fedrane_wo_gne`` (LRA + CD, sample-ratio averaging), the ablation rows of Tables 1-2.
@@ -143,9 +144,9 @@ class FedRANEConfig(AlgoConfig):
     # the graph's alpha = 0 so the mixed z~ is used as is) with mixup_data's alpha 0.5.
     mixup_weight: float = Field(0.0, ge=0.0)
     mixup_alpha: float = Field(0.5, gt=0.0)
-    # ---- the predictor's input (issue 30; not in the paper). The predictor reads m z + (1 - m) z~: 0 = the paper
-    # (Eq. 5 has no self or residual term, z~ replaces z); the official code's unused LocalGModel mixes with 0.9.
-    # The CD loss and the mixup term still read z~ itself
+    # ---- the predictor's input (not in the paper; docs/reproductions/fedrane.md). The predictor reads
+    # m z + (1 - m) z~: 0 = the paper (Eq. 5 has no self or residual term, z~ replaces z); the official code's
+    # unused LocalGModel mixes with 0.9. The CD loss and the mixup term still read z~ itself
     residual_mix: float = Field(0.0, ge=0.0, le=1.0)
     # ---- evaluation (notes 2.5: LRA at test time is not specified)
     lra_at_eval: bool = True  # paper's framework (predictor reads z~); official evaluation skips LRA (False)

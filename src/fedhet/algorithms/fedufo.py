@@ -55,7 +55,7 @@ code exists (the repositories named FedUFO on GitHub are unrelated, notes sec. 1
 * the stage lengths are not given (2.5.6): ``stage1_rounds`` = 50 is ours (Fig. 3 shows the CGL variants, "all"
   included, apart from FedAvg within the first 100 MNIST rounds, so stage one is shorter); stage two is the rest.
 
-``disc_mode`` says what D is from round to round (issue 30; docs/reproductions/fedufo.md has the evidence):
+``disc_mode`` says what D is from round to round (docs/reproductions/fedufo.md has the evidence):
 
 * ``"federated"`` (default, the paper-literal reading above): D is averaged with the model and carried across rounds,
   so each round's UAD loss pushes the features against the D that all earlier rounds trained;
@@ -133,9 +133,10 @@ class FedUFOConfig(FedAvgConfig):  # weighting "samples": "weighted aggregation"
     kl_direction: Literal["forward", "reverse"] = "forward"
     # proposal, notes 2.5.7: "batchmean" sums over classes and averages over samples; "mean" also divides by C
     kl_reduction: Literal["batchmean", "mean"] = "batchmean"
-    # issue 30: what D is from round to round. "federated" (paper-literal, default): averaged with the model and
-    # carried across rounds; "fresh": a new D per client per round (fresh init from the client's round seed), trained
-    # after the model and never reused; "frozen": never trained, the initial D in every round
+    # what D is from round to round (docs/reproductions/fedufo.md, "Discriminator readings"). "federated"
+    # (paper-literal, default): averaged with the model and carried across rounds; "fresh": a new D per client per
+    # round (fresh init from the client's round seed), trained after the model and never reused; "frozen": never
+    # trained, the initial D in every round
     disc_mode: Literal["federated", "fresh", "frozen"] = "federated"
 
     @model_validator(mode="after")

@@ -1,4 +1,5 @@
-"""Differential privacy (issue 31): client-level DP-FedAvg at the server and sample-level DP-SGD in the local loop.
+"""Differential privacy (docs/privacy-robustness.md): client-level DP-FedAvg at the server and sample-level DP-SGD
+in the local loop.
 
 Central (``privacy.mode = "central"``, McMahan et al. 2018, "Learning Differentially Private Recurrent Language
 Models"): each participating client's update u_i = y_i - x is clipped to norm C, the clipped updates are summed,

@@ -1,6 +1,6 @@
-"""Robust aggregation (issue 31, part 3): ``server.aggregation`` choices that resist wrong or hostile clients, and
-norm bounding (``server.norm_bound``), for every algorithm whose server takes a weighted average of the client
-models (the contract GNE uses, ``Algorithm.accepts_gne``).
+"""Robust aggregation (docs/privacy-robustness.md): ``server.aggregation`` choices that resist wrong or hostile
+clients, and norm bounding (``server.norm_bound``), for every algorithm whose server takes a weighted average of the
+client models (the contract GNE uses, ``Algorithm.accepts_gne``).
 
 All rules act on the client deltas u_i = theta_i - theta (reply minus the global model the round started from) and
 return a delta; the target handed to the server optimiser is theta + that delta, so they compose with any server

@@ -1,4 +1,4 @@
-"""Attacks for evaluation (issue 31, part 4; ``[attack]`` in the config).
+"""Attacks for evaluation (``[attack]`` in the config; docs/privacy-robustness.md).
 
 A seeded share of the clients is malicious for the whole run: ``round(fraction * N)`` (at least one) drawn without
 replacement from ``(run seed, ATTACK_STREAM)``, so the simulation, its worker processes and every Flower node name the

@@ -225,7 +225,7 @@ class RunFolder:
             why = f"{path}: 'resumes' is not a list of records"
         except CorruptFile as err:
             why = str(err)
-        self.warn(f"{why}; rewritten with this machine's environment (what it recorded of earlier sessions is lost)")
+        self.warn(f"{why}; rewritten with this machine's environment (what it recorded of earlier resumes is lost)")
         return None
 
     # ------------------------------------------------------------------ while and after training

@@ -181,7 +181,7 @@ class Simulation:
         return self.evaluator.evaluate(rnd, result, self.wall())
 
     def wall(self) -> float:
-        """Seconds this run has trained, over every session (a resumed run continues the clock)."""
+        """Seconds this run has trained, over its first start and every resume (a resumed run continues the clock)."""
         return self._wall_before + time.perf_counter() - self._started
 
     def finish(self, last: int, **status: Any) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Which models take which datasets' inputs, and the model a config gets when it names none (issue 28).
+"""Which models take which datasets' inputs, and the model a config gets when it names none.
 
 A dataset's input is known without loading it (``dataset_input``): images (channels, height, width), tabular
 vectors, or sequences of character indices. A model fits a dataset when it is built for that input without error
