@@ -37,7 +37,7 @@ browser:
 	else echo "warning: no apt-get; install chromium for the HTML screenshot test"; fi
 
 demo: setup data
-	$(VENV)/bin/fedhet compare -c configs/demo.toml --overwrite
+	$(VENV)/bin/fedhet demo --overwrite
 
 test: setup data browser
 	$(VENV)/bin/ruff check src tests benchmarks
