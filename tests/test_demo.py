@@ -60,3 +60,12 @@ def test_demo_refuses_a_bad_override_in_one_line(tmp_path):
     assert result.exit_code != 0
     assert "unknown key 'train.lrr'" in str(result.exception)
     assert not any(tmp_path.iterdir())
+
+
+def test_every_config_file_the_docs_run_is_there_or_written_first():
+    """A `-c FILE.toml` in the README or docs/ names a file of the repository or one the same page writes
+    (`fedhet demo --print-config > demo.toml`); cfg.toml stands for the reader's own config."""
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        text = doc.read_text()
+        for name in set(re.findall(r"(?:-c|--config) ([^\s`)]+\.toml)", text)) - {"cfg.toml"}:
+            assert (ROOT / name).is_file() or f"> {name}" in text, f"{doc.relative_to(ROOT)}: -c {name} is nowhere"
