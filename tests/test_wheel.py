@@ -94,6 +94,8 @@ def installed(tmp_path_factory) -> dict[str, Path]:
     empty.mkdir()
     location = call(python, "-c", "import fedhet; print(fedhet.__file__)", cwd=empty, env=env).strip()
     assert Path(location).is_relative_to(purelib), f"fedhet imported from {location}, not the installed wheel"
+    script = (venv / "bin" / "fedhet").read_text().splitlines()[0]
+    assert script.startswith(f"#!{venv}"), f"the fedhet command runs {script}, not the new environment's Python"
     return {"bin": venv / "bin", "env": env, "empty": empty}
 
 
