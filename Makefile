@@ -37,19 +37,19 @@ browser:
 	else echo "warning: no apt-get; install chromium for the HTML screenshot test"; fi
 
 demo: setup data
-	$(VENV)/bin/fedhet compare -c configs/demo.toml --overwrite
+	$(VENV)/bin/fedhet demo --overwrite
 
 test: setup data browser
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(PY) -m pytest
 
 lint:
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
 
 format:
-	$(VENV)/bin/ruff format src tests benchmarks
-	$(VENV)/bin/ruff check --fix src tests benchmarks
+	$(VENV)/bin/ruff format src tests benchmarks examples
+	$(VENV)/bin/ruff check --fix src tests benchmarks examples
 
 bench: setup data
 	$(PY) benchmarks/round_time.py

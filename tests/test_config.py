@@ -20,7 +20,7 @@ from fedhet.errors import ConfigError
 from fedhet.models import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG_FILES = sorted([*ROOT.glob("configs/*.toml"), *ROOT.glob("benchmarks/reproduce/**/*.toml")])
+CONFIG_FILES = sorted([*ROOT.glob("src/fedhet/configs/*.toml"), *ROOT.glob("benchmarks/reproduce/**/*.toml")])
 SECTIONS = {"dataset": DATASETS, "partition": PARTITIONERS, "model": MODELS, "algorithm": ALGORITHMS}
 SECTIONS["server"] = SERVER_OPTIMIZERS
 

@@ -2,7 +2,8 @@
 
     import fedhet
 
-    cfg = fedhet.make_config("configs/demo.toml", {"train.lr": 0.05}, algorithm="scaffold", rounds=5)
+    # demo.toml: the README demo's config, written by `fedhet demo --print-config > demo.toml`
+    cfg = fedhet.make_config("demo.toml", {"train.lr": 0.05}, algorithm="scaffold", rounds=5)
     result = fedhet.run(cfg)
     result.final["test_acc"]            # the last evaluation's metrics
     result.records                      # one dict per evaluated round (metrics.jsonl)

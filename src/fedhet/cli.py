@@ -1,9 +1,10 @@
-"""The ``fedhet`` command line: run, compare, partition, report, list."""
+"""The ``fedhet`` command line: run, compare, demo, partition, report, list."""
 
 from __future__ import annotations
 
 import os
 import sys
+from importlib import resources
 from pathlib import Path
 from typing import Annotated
 
@@ -47,6 +48,27 @@ app = typer.Typer(
     help="Federated learning on non-IID data: run, compare and report FL algorithms.",
 )
 app.add_typer(flower_app, name="flower")  # fedhet flower app | simulate | export (fedhet.flower.cli)
+
+
+# compare's options that `fedhet demo` passes through to it
+VariantsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--variants", "-v", help="Comma list of ALGORITHM[+SERVER_OPTIMISER], e.g. fedavg,fedprox,fedavg+fedadam."
+    ),
+]
+SeedsOpt = Annotated[str | None, typer.Option("--seeds", help="Comma list of seeds, e.g. 0,1,2.")]
+JobsOpt = Annotated[
+    str, typer.Option("--jobs", "-j", help="Cells run at once, in worker processes; 0 or auto: one per core.")
+]
+CellThreadsOpt = Annotated[
+    int | None,
+    typer.Option("--threads", min=1, help="Torch threads per cell (default: usable cores / jobs, at least 1)."),
+]
+DryRunOpt = Annotated[
+    bool, typer.Option("--dry-run", help="List the cells and what each would do (start, skip, resume); train none.")
+]
+RerunOpt = Annotated[bool, typer.Option("--overwrite", help="Rerun every cell from scratch.")]
 
 
 def _print_version(value: bool) -> None:
@@ -141,15 +163,8 @@ def resume(
 def compare(
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    variants: Annotated[
-        str | None,
-        typer.Option(
-            "--variants",
-            "-v",
-            help="Comma list of ALGORITHM[+SERVER_OPTIMISER], e.g. fedavg,fedprox,fedavg+fedadam.",
-        ),
-    ] = None,
-    seeds: Annotated[str | None, typer.Option("--seeds", help="Comma list of seeds, e.g. 0,1,2.")] = None,
+    variants: VariantsOpt = None,
+    seeds: SeedsOpt = None,
     partitions: Annotated[
         str | None,
         typer.Option(
@@ -182,20 +197,13 @@ def compare(
     ] = None,
     data_dir: DataDirOpt = None,
     plugin: PluginOpt = None,
-    jobs: Annotated[
-        str, typer.Option("--jobs", "-j", help="Cells run at once, in worker processes; 0 or auto: one per core.")
-    ] = "1",
-    threads: Annotated[
-        int | None,
-        typer.Option("--threads", min=1, help="Torch threads per cell (default: usable cores / jobs, at least 1)."),
-    ] = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="List the cells and what each would do (start, skip, resume); train none.")
-    ] = False,
+    jobs: JobsOpt = "1",
+    threads: CellThreadsOpt = None,
+    dry_run: DryRunOpt = False,
     resume: Annotated[
         bool, typer.Option("--resume", help="Accepted for old scripts: compare always continues unfinished cells.")
     ] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Rerun every cell from scratch.")] = False,
+    overwrite: RerunOpt = False,
     accept_changed_plugins: AcceptPluginsOpt = False,
 ) -> None:
     """Run several algorithms (x seeds x grid values) on the same setting; print a table and write an accuracy plot.
@@ -226,6 +234,49 @@ def compare(
             console=console,
             err_console=err_console,
             **shortcuts(locals(), unchecked=("name",)),
+        )
+
+
+@app.command()
+def demo(
+    set_: SetOpt = None,
+    variants: VariantsOpt = None,
+    seeds: SeedsOpt = None,
+    rounds: RoundsOpt = None,
+    out: Annotated[
+        str | None, typer.Option("--out", "-o", help="Parent folder of the runs (run.out_dir; default demo-runs).")
+    ] = None,
+    data_dir: DataDirOpt = None,
+    jobs: JobsOpt = "1",
+    threads: CellThreadsOpt = None,
+    dry_run: DryRunOpt = False,
+    overwrite: RerunOpt = False,
+    print_config: Annotated[
+        bool, typer.Option("--print-config", help="Print the demo's config (TOML) and exit, e.g. > demo.toml.")
+    ] = False,
+) -> None:
+    """The README's demo: every implemented algorithm for 20 rounds on Fashion-MNIST, Dirichlet(0.1) over 20 clients.
+
+    fedhet compare with the config installed with fedhet: a table, demo-runs/comparison.md and comparison.png.
+
+    Smaller: -v fedavg,scaffold -r 5 (-s dataset.name=digits needs no data files). Run again: continues."""
+    config = resources.files("fedhet") / "configs" / "demo.toml"
+    if print_config:
+        sys.stdout.write(config.read_text(encoding="utf-8"))
+        return
+    with resources.as_file(config) as path:
+        compare(
+            config=path,
+            set_=set_,
+            variants=variants,
+            seeds=seeds,
+            rounds=rounds,
+            out=out,
+            data_dir=data_dir,
+            jobs=jobs,
+            threads=threads,
+            dry_run=dry_run,
+            overwrite=overwrite,
         )
 
 
