@@ -13,6 +13,7 @@ from rich.table import Table
 
 from fedhet import api
 from fedhet.cli_shared import (
+    SUGGEST_COMMANDS,
     AcceptPluginsOpt,
     AlgorithmOpt,
     ClientsOpt,
@@ -45,6 +46,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     help="Federated learning on non-IID data: run, compare and report FL algorithms.",
+    **SUGGEST_COMMANDS,
 )
 app.add_typer(flower_app, name="flower")  # fedhet flower app | simulate | export (fedhet.flower.cli)
 

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from fedhet.cli_shared import (
+    SUGGEST_COMMANDS,
     AlgorithmOpt,
     ClientsOpt,
     ConfigOpt,
@@ -34,6 +35,7 @@ flower_app = typer.Typer(
     no_args_is_help=True,
     help="Run fedhet algorithms on Flower: app folders for `flwr run` (SuperLink + SuperNodes), Flower's Ray "
     "simulation, and per-client data files for SuperNodes.",
+    **SUGGEST_COMMANDS,
 )
 
 
