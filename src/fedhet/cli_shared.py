@@ -165,6 +165,10 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+# Ctrl-C before a run starts: building the config loads plug-ins and checks datasets and folders (seconds)
+BUILDING_CONFIG = "while the config was being built, before anything trained; run the command again"
+
+
 @contextmanager
 def interrupted(how_to_continue: str) -> Iterator[None]:
     """Ctrl-C while training: exit 130 with a message (typer would turn KeyboardInterrupt into a silent exit)."""

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from fedhet.cli_shared import (
+    BUILDING_CONFIG,
     SUGGEST_COMMANDS,
     AlgorithmOpt,
     ClientsOpt,
@@ -42,7 +43,8 @@ flower_app = typer.Typer(
 def _config(config: Path | None, sets: list[str] | None, plugins: list[str] | None, runs_here: bool = True, **kw: Any):
     from fedhet.api import make_config
 
-    return make_config(config, sets, plugins=plugins or (), runs_here=runs_here, **kw)
+    with interrupted(BUILDING_CONFIG):
+        return make_config(config, sets, plugins=plugins or (), runs_here=runs_here, **kw)
 
 
 @flower_app.command("app")
