@@ -52,6 +52,20 @@ def test_target_epsilon_gives_the_smallest_noise_that_reaches_it_and_refuses_the
         dp.noise_for_epsilon(0.01, 100, 10, 30, 1e-5)
 
 
+def test_an_unreachable_target_epsilon_gets_advice_that_fits_the_run():
+    """One round cannot be made fewer; fewer rounds are advised only where they would reach the target."""
+    with pytest.raises(ConfigError) as one_round:
+        dp.noise_for_epsilon(0.001, 200, 100, 1, 1e-5)
+    message = str(one_round.value)
+    assert "1 round of 100 of 200 clients" in message and "fewer rounds" not in message
+    assert "raise privacy.target_epsilon or privacy.delta" in message and "fewer clients per round" in message
+    # one of 200 clients a round: one round with noise multiplier 1e4 reaches epsilon 0.001, a hundred do not
+    with pytest.raises(ConfigError) as one_client:
+        dp.noise_for_epsilon(0.001, 200, 1, 100, 1e-5)
+    message = str(one_client.value)
+    assert "run fewer rounds" in message and "fewer clients per round" not in message and "more clients" in message
+
+
 def test_central_dp_clips_sums_noises_and_divides_by_the_fixed_denominator():
     updates = [torch.tensor([3.0, 4.0]), torch.tensor([0.3, 0.4]), torch.tensor([0.0, -2.0])]  # norms 5, 0.5, 2
     central = dp.CentralDP(central_cfg(noise_multiplier=0.7).privacy, 20, 4, 10, seed=3)

@@ -74,24 +74,32 @@ def epsilon(noise_multiplier: float, population: int, sample: int, count: int, d
 
 def noise_for_epsilon(target: float, population: int, sample: int, count: int, delta: float) -> float:
     """The smallest noise multiplier (to 1 %, rounded up) whose epsilon after ``count`` releases is at most
-    ``target``; a ``ConfigError`` when even ``Z_MAX`` cannot reach it (RDP's epsilon has a floor even
-    with infinite noise: about log(1/delta) over the largest order)."""
-    orders, _ = step_rdp(1.0, int(population), int(sample))
-    floor, _ = dp_accounting().rdp.compute_epsilon(orders, np.zeros(len(orders)), delta)  # infinite noise
+    ``target``; a ``ConfigError`` when even ``Z_MAX`` cannot reach it (the accountant's epsilon has a floor even
+    with unbounded noise, set by delta and the sampling rate far more than by the count)."""
     lo, hi = 0.0, 1.0
     while epsilon(hi, population, sample, count, delta) > target:
-        if hi >= Z_MAX or floor > target:
-            floor = epsilon(hi, population, sample, count, delta) if floor <= target else floor
-            raise ConfigError(
-                f"privacy.target_epsilon={target:g} cannot be reached: {count} rounds of {sample} of {population} "
-                f"clients at delta {delta:g} give at least epsilon {floor:.3g} (raise the target or delta, or run "
-                "fewer rounds)"
-            )
+        if hi >= Z_MAX:
+            raise ConfigError(unreachable(target, population, sample, count, delta))
         lo, hi = hi, min(hi * 4, Z_MAX)
     while hi - lo > 1e-2 * hi:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if epsilon(mid, population, sample, count, delta) > target else (lo, mid)
     return hi
+
+
+def unreachable(target: float, population: int, sample: int, count: int, delta: float) -> str:
+    """Why ``target`` cannot be reached, with only the changes that lower epsilon here: fewer rounds only where
+    one round would reach it, fewer clients per round only where more than one is sampled."""
+    most_noise = epsilon(Z_MAX, population, sample, count, delta)
+    ways = ["raise privacy.target_epsilon or privacy.delta"]
+    if count > 1 and epsilon(Z_MAX, population, sample, 1, delta) <= target:
+        ways.append("run fewer rounds")
+    ways.append("sample fewer clients per round or from more clients" if sample > 1 else "sample from more clients")
+    rounds = f"{count} round{'s' if count != 1 else ''}"
+    return (
+        f"privacy.target_epsilon={target:g} cannot be reached: {rounds} of {sample} of {population} clients at delta "
+        f"{delta:g} give epsilon {most_noise:.3g} even with noise multiplier {Z_MAX:g} ({'; '.join(ways)})"
+    )
 
 
 def clip_rows(updates: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
