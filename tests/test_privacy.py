@@ -274,3 +274,46 @@ def test_local_dp_sgd_learns_reports_per_client_epsilon_and_resumes_bit_exact(ti
     assert last["privacy/epsilon_max"] == pytest.approx(max(eps)) and len(steps) == 6
     assert last["privacy/epsilon_mean"] == pytest.approx(sum(eps) / 6)
     assert last["test_acc"] > 0.5, last
+
+
+def test_the_summary_records_the_resolved_noise_and_every_evaluation_line_shows_epsilon(tiny_config):
+    """config.json keeps target_epsilon as given (noise_multiplier null); summary.json records the z it resolved to
+    and what the accountant used (N, m, delta), and the console's evaluation lines carry epsilon."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    cfg = tiny_config(
+        run={"name": "acct", "rounds": 2, "progress": True},
+        partition={"name": "iid", "num_clients": 200},
+        model={"name": "mlp", "hidden": []},
+        train={"participation": 0.5, "local_epochs": 1, "batch_size": 16, "lr": 0.3},
+        privacy={"mode": "central", "clip": 1.0, "target_epsilon": 8.0},
+    )
+    out = io.StringIO()
+    sim = Simulation(cfg, console=Console(file=out, width=300))
+    summary = sim.run()
+    last = read_metrics(sim.run_dir / "metrics.jsonl")[-1]
+    z, eps = last["privacy/noise_multiplier"], last["privacy/epsilon"]
+    assert json.loads((sim.run_dir / "config.json").read_text())["privacy"]["noise_multiplier"] is None
+    accounting = {"mode": "central", "noise_multiplier": z, "target_epsilon": 8.0, "delta": 1e-5, "clients": 200}
+    assert summary["privacy"] == {**accounting, "clients_per_round": 100, "epsilon": eps} and 7.5 < eps <= 8.0
+    assert json.loads((sim.run_dir / "summary.json").read_text())["privacy"] == summary["privacy"]
+    lines = [line for line in out.getvalue().splitlines() if "test_acc" in line]
+    assert len(lines) == 2 and all(", epsilon " in line for line in lines), out.getvalue()
+
+
+def test_a_local_dp_evaluation_line_shows_the_largest_client_epsilon():
+    import io
+
+    from rich.console import Console
+
+    from fedhet.engine.display import RunDisplay
+
+    out = io.StringIO()
+    record = {"round": 3, "test_acc": 0.5, "clients": 4, "elapsed_s": 1.0, "privacy/epsilon_max": 2.346}
+    with RunDisplay(Console(file=out, width=300), "run", 5, enabled=True) as display:
+        display.start(0)
+        display.evaluated(record)
+    assert "epsilon 2.35 (largest of a client)" in out.getvalue()

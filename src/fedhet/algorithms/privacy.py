@@ -166,6 +166,19 @@ class CentralDP:
         eps = epsilon(self.noise_multiplier, self.population, self.per_round, self.releases, self.cfg.delta)
         return {"privacy/epsilon": eps, "privacy/noise_multiplier": self.noise_multiplier, **self.last}
 
+    def accounting(self) -> dict[str, Any]:
+        """summary.json's ``privacy``: the noise multiplier the run used (what target_epsilon resolved to, which
+        config.json leaves null), what the accountant counts with (N clients, m a round, delta), and epsilon now."""
+        return {
+            "mode": "central",
+            "noise_multiplier": self.noise_multiplier,
+            "target_epsilon": self.cfg.target_epsilon,
+            "delta": self.cfg.delta,
+            "clients": self.population,
+            "clients_per_round": self.per_round,
+            "epsilon": self.metrics()["privacy/epsilon"],
+        }
+
     def state_dict(self) -> dict[str, Any]:
         return {"releases": self.releases, "clip": self.clip, "noise_multiplier": self.noise_multiplier}
 
@@ -193,6 +206,17 @@ class LocalDP:
         if not eps:
             return {}
         return {"privacy/epsilon_max": max(eps), "privacy/epsilon_mean": sum(eps) / len(eps)}
+
+    def accounting(self) -> dict[str, Any]:
+        """summary.json's ``privacy``: the noise multiplier, delta and batch size each client's epsilon is counted
+        with, and the largest and mean epsilon now."""
+        counted = {
+            "noise_multiplier": self.cfg.noise_multiplier,
+            "delta": self.cfg.delta,
+            "batch_size": self.batch_size,
+        }
+        eps = self.metrics()
+        return {"mode": "local", **counted, **{k.removeprefix("privacy/"): v for k, v in eps.items()}}
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps": {int(c): list(v) for c, v in self.steps.items()}}
