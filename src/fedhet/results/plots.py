@@ -86,12 +86,12 @@ def curves_figure(
     """`metric` vs round: one line per group, the mean over seeds with a shaded ±1 std band.
 
     Each method keeps one line style whatever the panels, and its colour wherever it has one row per axes
-    (``row_styles``, which the HTML page's swatches follow); rows of one method that share an axes (the settings
-    of a grid) each get their own colour and a marker per setting. Each ± band's edges are drawn in its curve's
-    colour and dashes, so overlapping bands stay apart. The legend, outside the axes so 20 groups hide no curve, lists the groups in the table's
-    order. ``smooth`` plots the EMA the run recorded (``test_acc_ema``), or for another metric the same EMA (factor
-    ``run.ema``) computed here. ``panels``: one panel per method family or per setting (the dataset, partition,
-    model and training values that differ between groups)."""
+    (``row_styles``, which the HTML page's swatches follow); rows of one method that share an axes (the settings of
+    a grid) each get their own colour and a marker per setting. Each ± band's edges are drawn in its curve's colour
+    and dashes, so overlapping bands stay apart. The legend, outside the axes so 20 groups hide no curve, lists the
+    groups in the table's order. ``smooth`` plots the EMA the run recorded (``test_acc_ema``), or for another metric
+    the same EMA (factor ``run.ema``) computed here. ``panels``: one panel per method family or per setting (the
+    dataset, partition, model and training values that differ between groups)."""
     if panels not in (None, *PANELS):
         raise FedhetError(f"unknown panels {panels!r}; choose one of: {', '.join(PANELS)}")
     methods, _ = method_and_setting(groups)
