@@ -256,3 +256,23 @@ def test_ctrl_c_says_how_to_continue(tmp_path, monkeypatch):
     result = runner.invoke(app, ["compare", *sets, "-o", str(tmp_path / "c"), "-v", "fedavg", "--jobs", "1"])
     assert isinstance(result.exception, Interrupted)
     assert "run the same command again to continue" in str(result.exception)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["run", *TINY], ["partition", "-d", "digits"], ["flower", "simulate", *TINY], ["flower", "app", "APP", *TINY]],
+)
+def test_ctrl_c_while_the_config_is_built_says_so(tmp_path, monkeypatch, args):
+    """Ctrl-C while make_config loads plug-ins and datasets is the same one-line 'interrupted' as in training (typer
+    alone exits 130 without a word)."""
+    import fedhet.api
+    from fedhet.errors import Interrupted
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fedhet.api, "make_config", interrupted)
+    args = [str(tmp_path / "app") if a == "APP" else a for a in args]
+    result = runner.invoke(app, [*args, "-o", str(tmp_path)] if args[0] != "partition" else args)
+    assert isinstance(result.exception, Interrupted), (result.exit_code, result.output)
+    assert "while the config was being built" in str(result.exception)

@@ -105,3 +105,11 @@ def test_plugin_paths_in_a_toml_file_are_relative_to_it(tmp_path, monkeypatch):
     assert cfg.run.plugins == [str(folder / "p_rel.py")]
     assert cfg.run.out_dir == "out" and cfg.dataset.data_dir == "data"
     assert "`run.plugins`) are taken from the TOML file's folder" in config_markdown()
+
+
+@pytest.mark.parametrize(("args", "meant"), [(["rn"], "run"), (["flower", "simulte"], "simulate")])
+def test_unknown_command_suggests_once(args, meant):
+    """click and typer both append "Did you mean ...?" to an unknown command: the user reads it once."""
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert result.output.count("Did you mean") == 1 and f"'{meant}'" in result.output, result.output

@@ -21,7 +21,7 @@ pytest.importorskip("flwr")
 
 from flwr.app import RecordDict  # noqa: E402
 
-from fedhet.engine.checkpoint import read_checkpoint  # noqa: E402
+from fedhet.engine.checkpoint import StateFileError, read_checkpoint  # noqa: E402
 from fedhet.engine.client import ClientRunner  # noqa: E402
 from fedhet.engine.simulation import Simulation  # noqa: E402
 from fedhet.flower.app import RunOptions, run_server  # noqa: E402
@@ -166,6 +166,27 @@ def test_three_attempts_read_only_the_versions_of_the_checkpoints_history(tiny_c
     assert [r["dropped"] for r in want] == [0, 0, 1, 1, 0, 0]
     assert records(run_dir) == want
     assert torch.equal(final_params(run_dir), want_params)
+
+
+def test_a_damaged_state_file_on_a_node_stops_the_run_naming_it(tiny_config, tmp_path):
+    """A node's client-state version that fails its seal is the run's problem, as in the simulation: the resume stops
+    in one message naming the file, instead of dropping that client from every round."""
+    cfg = cfg_for(tiny_config, "damaged")
+    state = tmp_path / "nodes"
+    run_flower(cfg, nodes(state), kill_at=(4, 2))
+    [victim] = state.rglob("client-1/r00000002-*.pt")  # the version the resume from round 2 reads
+    victim.write_bytes(victim.read_bytes()[:-16])
+    with pytest.raises(StateFileError) as stopped:
+        run_flower(cfg, nodes(state), resume=True)
+    message = str(stopped.value)
+    assert str(victim) in message and "client 1" in message and "node 101" in message, message
+    assert "Traceback" not in message and "[" not in message.split(str(victim))[1], message
+    summary = json.loads((tmp_path / "runs" / "damaged" / "summary.json").read_text())
+    assert summary["status"] == "failed" and str(victim) in summary["error"]
+    assert (
+        not (tmp_path / "runs" / "damaged" / "failures.jsonl").exists()
+        or "client 1" not in (tmp_path / "runs" / "damaged" / "failures.jsonl").read_text()
+    )
 
 
 # -------------------------------------------------------------------------- nodes that keep state in Context.state

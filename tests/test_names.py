@@ -59,3 +59,38 @@ def test_an_old_folder_with_this_config_is_found(tmp_path):
     assert run_dir_of(other) == old
     yogi = fedhet.make_config(None, algorithm="scaffold", server="fedyogi", out=str(tmp_path))
     assert run_dir_of(yogi) != old and run_dir_of(yogi).name.startswith(cfg.legacy_name() + "-")
+
+
+def test_the_model_chosen_for_the_dataset_is_not_a_setting():
+    """`-d digits` gets the MLP because the CNN cannot take 8x8 inputs: that default is no reason for a hash."""
+    assert name(dataset="digits") == "fedavg-digits-dirichlet-s0"
+    assert name(dataset="shakespeare") == "fedavg-shakespeare-dirichlet-s0"
+    assert name(dataset="digits", model="mlp") == name(dataset="digits")  # the same config, named or not
+    assert name(model="mlp").startswith("fedavg-fmnist-dirichlet-s0-")  # not fmnist's default: a setting
+    lr = name(dataset="digits", overrides={"train.lr": 0.05})
+    assert lr.startswith("fedavg-digits-dirichlet-s0-") and lr != "fedavg-digits-dirichlet-s0-e4bfbee6"
+
+
+def _saved_run(folder, cfg):
+    from fedhet.engine.simulation import resolve_config
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(resolve_config(cfg)))
+
+
+def test_a_folder_whose_hash_counted_the_datasets_model_is_still_found(tmp_path):
+    """Runs named while the model chosen for the dataset still counted as a setting resume under their names."""
+    plain = fedhet.make_config(None, dataset="digits", out=str(tmp_path))
+    _saved_run(tmp_path / "fedavg-digits-dirichlet-s0-7907eb87", plain)  # the hash of {"model.name": "mlp"}
+    assert run_dir_of(plain).name == "fedavg-digits-dirichlet-s0-7907eb87"
+    lr = fedhet.make_config(None, {"train.lr": 0.05}, dataset="digits", out=str(tmp_path))
+    assert run_dir_of(lr).name != "fedavg-digits-dirichlet-s0-e4bfbee6"
+    _saved_run(tmp_path / "fedavg-digits-dirichlet-s0-e4bfbee6", lr)
+    assert run_dir_of(lr).name == "fedavg-digits-dirichlet-s0-e4bfbee6"
+    # a folder of that old name holding another config is not this run's, and a run under the new name wins
+    other = fedhet.make_config(None, {"train.lr": 0.05}, dataset="digits", seed=0, out=str(tmp_path / "b"))
+    (tmp_path / "b").mkdir()
+    _saved_run(tmp_path / "b" / "fedavg-digits-dirichlet-s0-e4bfbee6", plain)
+    assert run_dir_of(other).name != "fedavg-digits-dirichlet-s0-e4bfbee6"
+    _saved_run(tmp_path / "fedavg-digits-dirichlet-s0", plain)
+    assert run_dir_of(plain).name == "fedavg-digits-dirichlet-s0"

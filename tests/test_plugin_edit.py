@@ -73,8 +73,6 @@ def test_an_edited_plugin_stops_resume_and_compare_until_accepted(tmp_path, monk
         assert str(plugin) in lines[0] and "--accept-changed-plugins" in lines[0], err
     assert [json.loads(line)["round"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
-    code, err = fedhet(monkeypatch, capsys, *compare, "--accept-changed-plugins")
-    assert code == 0, err  # the finished cell is skipped
     code, err = fedhet(monkeypatch, capsys, "resume", run_dir, "-r", "3", "--accept-changed-plugins")
     assert code == 0, err
     assert "changed plug-in code" in err  # accepted, with a warning
@@ -86,9 +84,11 @@ def test_an_edited_plugin_stops_resume_and_compare_until_accepted(tmp_path, monk
     assert info["resumes"][-1]["plugins"][str(plugin)]["sha256"] == second != first
     assert info["resumes"][-1]["fedhet_code"]["version"] == __version__
 
-    # the accepted code is what the run records now: the next resume under it needs no flag
+    # the accepted code is what the run records now: the next resume (or compare) under it needs no flag
     code, err = fedhet(monkeypatch, capsys, "resume", run_dir, "-r", "4")
     assert code == 0, err
+    code, err = fedhet(monkeypatch, capsys, *compare)
+    assert code == 0, err  # the finished cell is skipped
 
 
 def test_the_python_api_accepts_a_changed_plugin_for_one_call(tmp_path, capsys):
@@ -110,3 +110,48 @@ def test_the_python_api_accepts_a_changed_plugin_for_one_call(tmp_path, capsys):
         api.resume(tmp_path / "runs" / "p", rounds=2)
     api.resume(tmp_path / "runs" / "p", rounds=2, accept_changed_plugins=True)
     assert not plugins.accepting_changes()  # for that call only
+
+
+def test_compare_refuses_only_the_cells_that_use_an_edited_plugin_and_remembers_an_accepted_edit(
+    tmp_path, monkeypatch, capsys
+):
+    """A built-in FedAvg cell beside the plug-in's cell never runs the plug-in: its edit does not stop it. The
+    refusal names the one cause (not 'a different config'), and an accepted edit is recorded in the skipped cell's
+    folder, so the next plain rerun goes through."""
+    plugin = tmp_path / "edit_probe_plugin.py"
+    plugin.write_text(PLUGIN)
+    compare = [
+        "compare", "-v", "edit_probe,fedavg", "--plugin", plugin, "-d", "digits", "-m", "mlp", "-n", "4", "-r", "2",
+        "--seed", "0", "-o", tmp_path / "runs", "-s", "run.progress=false", "-s", "model.hidden=[16]",
+        "-s", "partition.min_size=20",
+    ]  # fmt: skip
+    code, err = fedhet(monkeypatch, capsys, *compare)
+    assert code == 0, err
+    plugin.write_text(PLUGIN + "\nEDITED = True\n")
+    code, err = fedhet(monkeypatch, capsys, *compare)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert "edit_probe-s0" in lines[0] and "fedavg-s0" not in lines[0] and "different config" not in lines[0], err
+    assert lines[0].startswith("error: 1 cell(s) ran plug-in code that changed since:") and str(plugin) in lines[0]
+    assert "--accept-changed-plugins" in lines[0] and "--overwrite" in lines[0]
+    code, err = fedhet(monkeypatch, capsys, *compare, "--accept-changed-plugins")
+    assert code == 0, err  # both cells had finished: skipped
+    code, err = fedhet(monkeypatch, capsys, *compare)
+    assert code == 0, err  # the accepted code is what the skipped cell records now
+
+
+def test_a_run_that_uses_no_component_of_an_edited_plugin_resumes(tmp_path):
+    import fedhet as api
+
+    plugin = tmp_path / "edit_probe_plugin.py"
+    plugin.write_text(PLUGIN)
+    settings = {
+        "run": {"rounds": 1, "out_dir": str(tmp_path / "runs"), "name": "p", "progress": False},
+        "dataset": {"name": "digits"},
+        "partition": {"num_clients": 4, "min_size": 20},
+        "model": {"name": "mlp", "hidden": [16]},
+        "algorithm": {"name": "fedavg"},
+    }
+    api.run(settings, plugins=[plugin])
+    plugin.write_text(PLUGIN + "\nEDITED = True\n")
+    assert api.resume(tmp_path / "runs" / "p", rounds=2).summary["rounds_done"] == 2

@@ -52,6 +52,20 @@ def test_target_epsilon_gives_the_smallest_noise_that_reaches_it_and_refuses_the
         dp.noise_for_epsilon(0.01, 100, 10, 30, 1e-5)
 
 
+def test_an_unreachable_target_epsilon_gets_advice_that_fits_the_run():
+    """One round cannot be made fewer; fewer rounds are advised only where they would reach the target."""
+    with pytest.raises(ConfigError) as one_round:
+        dp.noise_for_epsilon(0.001, 200, 100, 1, 1e-5)
+    message = str(one_round.value)
+    assert "1 round of 100 of 200 clients" in message and "fewer rounds" not in message
+    assert "raise privacy.target_epsilon or privacy.delta" in message and "fewer clients per round" in message
+    # one of 200 clients a round: one round with noise multiplier 1e4 reaches epsilon 0.001, a hundred do not
+    with pytest.raises(ConfigError) as one_client:
+        dp.noise_for_epsilon(0.001, 200, 1, 100, 1e-5)
+    message = str(one_client.value)
+    assert "run fewer rounds" in message and "fewer clients per round" not in message and "more clients" in message
+
+
 def test_central_dp_clips_sums_noises_and_divides_by_the_fixed_denominator():
     updates = [torch.tensor([3.0, 4.0]), torch.tensor([0.3, 0.4]), torch.tensor([0.0, -2.0])]  # norms 5, 0.5, 2
     central = dp.CentralDP(central_cfg(noise_multiplier=0.7).privacy, 20, 4, 10, seed=3)
@@ -171,7 +185,13 @@ def test_inconsistent_privacy_settings_are_one_line(sections, message):
     ("sections", "message"),
     [
         ({"algorithm": {"name": "fednova"}}, "fednova's server does not take; algorithms that accept it: .*scaffold"),
-        ({"algorithm": {"name": "fednh"}}, "fednh's server does not take"),
+        # a weighted average, refused for what else its server reads (docs/privacy-robustness.md says the same)
+        (
+            {"algorithm": {"name": "fednh"}},
+            r"^privacy.mode='central' privatises the weighted average of the client models only, and fednh's server "
+            r"also uses the class prototype sums and counts in the replies, computed from the clients' data, which "
+            r"would reach it unprivatised; algorithms that accept it: .*fedavg",
+        ),
         ({"server": {"name": "sgd", "aggregation": "gne"}}, "cannot be combined with server.aggregation='gne'"),
         ({"train": {"sampling": "dynamic"}}, "drawn uniformly without replacement"),
         ({"algorithm": {"name": "centralized"}}, "centralized pools their data into one client"),
@@ -254,3 +274,46 @@ def test_local_dp_sgd_learns_reports_per_client_epsilon_and_resumes_bit_exact(ti
     assert last["privacy/epsilon_max"] == pytest.approx(max(eps)) and len(steps) == 6
     assert last["privacy/epsilon_mean"] == pytest.approx(sum(eps) / 6)
     assert last["test_acc"] > 0.5, last
+
+
+def test_the_summary_records_the_resolved_noise_and_every_evaluation_line_shows_epsilon(tiny_config):
+    """config.json keeps target_epsilon as given (noise_multiplier null); summary.json records the z it resolved to
+    and what the accountant used (N, m, delta), and the console's evaluation lines carry epsilon."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    cfg = tiny_config(
+        run={"name": "acct", "rounds": 2, "progress": True},
+        partition={"name": "iid", "num_clients": 200},
+        model={"name": "mlp", "hidden": []},
+        train={"participation": 0.5, "local_epochs": 1, "batch_size": 16, "lr": 0.3},
+        privacy={"mode": "central", "clip": 1.0, "target_epsilon": 8.0},
+    )
+    out = io.StringIO()
+    sim = Simulation(cfg, console=Console(file=out, width=300))
+    summary = sim.run()
+    last = read_metrics(sim.run_dir / "metrics.jsonl")[-1]
+    z, eps = last["privacy/noise_multiplier"], last["privacy/epsilon"]
+    assert json.loads((sim.run_dir / "config.json").read_text())["privacy"]["noise_multiplier"] is None
+    accounting = {"mode": "central", "noise_multiplier": z, "target_epsilon": 8.0, "delta": 1e-5, "clients": 200}
+    assert summary["privacy"] == {**accounting, "clients_per_round": 100, "epsilon": eps} and 7.5 < eps <= 8.0
+    assert json.loads((sim.run_dir / "summary.json").read_text())["privacy"] == summary["privacy"]
+    lines = [line for line in out.getvalue().splitlines() if "test_acc" in line]
+    assert len(lines) == 2 and all(", epsilon " in line for line in lines), out.getvalue()
+
+
+def test_a_local_dp_evaluation_line_shows_the_largest_client_epsilon():
+    import io
+
+    from rich.console import Console
+
+    from fedhet.engine.display import RunDisplay
+
+    out = io.StringIO()
+    record = {"round": 3, "test_acc": 0.5, "clients": 4, "elapsed_s": 1.0, "privacy/epsilon_max": 2.346}
+    with RunDisplay(Console(file=out, width=300), "run", 5, enabled=True) as display:
+        display.start(0)
+        display.evaluated(record)
+    assert "epsilon 2.35 (largest of a client)" in out.getvalue()

@@ -106,7 +106,7 @@ def legend_colours(fig):
     return {text.get_text().rsplit(" (n=", 1)[0]: to_hex(handle.get_color()) for text, handle in pairs}
 
 
-def test_a_method_has_one_colour_in_every_figure(cells):
+def test_a_method_keeps_its_colour_and_rows_sharing_an_axes_get_their_own(cells):
     root, dirs = cells
     groups = group_runs(load_runs(dirs))
     alpha = [g for g in groups if g.settings["partition.alpha"] == 0.5]  # one setting: one line per method
@@ -114,14 +114,30 @@ def test_a_method_has_one_colour_in_every_figure(cells):
     family = legend_colours(curves_figure(alpha, panels="family"))
     assert plain == family and len(set(plain.values())) == 3
     by_setting = legend_colours(curves_figure(groups, panels="setting"))  # legend: one entry per method
-    everything = legend_colours(curves_figure(groups))  # both settings in one axes: same colour, other marker
     for method in ("fedavg", "fedprox", "ditto"):
-        colour = plain[f"{method} alpha=0.5"]
-        assert by_setting[method] == everything[f"{method} alpha=10"] == everything[f"{method} alpha=0.5"] == colour
-    from fedhet.results.plots import method_styles  # one (colour, style) per method: what the HTML swatches use
+        assert by_setting[method] == plain[f"{method} alpha=0.5"]
+    # both settings in one axes: six rows, six colours, so neither curves nor bands nor swatches look alike
+    everything = legend_colours(curves_figure(groups))
+    assert len(set(everything.values())) == len(groups) == 6
+    from fedhet.results.plots import row_styles  # what the HTML swatches use
 
-    styles = method_styles(groups)
-    assert to_hex(styles["fedavg alpha=0.5"][0]) == plain["fedavg alpha=0.5"]
+    styles = row_styles(groups)
+    assert {label: to_hex(style.colour) for label, style in styles.items()} == everything
+    assert {label: to_hex(style.colour) for label, style in row_styles(alpha).items()} == plain
+
+
+def test_each_band_is_outlined_in_its_curves_colour(cells):
+    """Overlapping ± bands stay apart: a faint fill, and edges in the curve's colour and dashes."""
+    _, dirs = cells
+    fig = curves_figure(group_runs(load_runs(dirs)))
+    FigureCanvasAgg(fig).draw()
+    (ax,) = fig.axes
+    bands = [c for c in ax.collections if len(c.get_paths())]
+    assert len(bands) == len(ax.lines) == 6
+    for line, band in zip(ax.lines, bands, strict=True):
+        (edge,), (face,) = band.get_edgecolor(), band.get_facecolor()
+        assert to_hex(edge) == to_hex(face) == to_hex(line.get_color())
+        assert face[3] <= 0.15 < edge[3]
 
 
 def test_the_html_page_summarises_the_setting_and_shows_every_reported_metric(cells, tmp_path):
@@ -136,15 +152,14 @@ def test_the_html_page_summarises_the_setting_and_shows_every_reported_metric(ce
         assert f"<h2 id='metric-{metric}'>" in page and f"href='#metric-{metric}'" in page
     assert page.count("data:image/png;base64,") == 5
     assert "client_dist_acc" not in re.findall(r"<h2 id='metric-([^']+)'>", page)  # no run recorded it
-    # each table lists the rows in the report's order, each name with its method's colour
+    # each table lists the rows in the report's order, each name with its curve's colour, every row its own
     labels = [g.label for g in groups]
     first = page.split("<h2 id='metric-test_acc'>", 1)[1].split("</table>", 1)[0]
     assert re.findall(r"</span>([^<]+)</td>", first) == labels
-    from fedhet.results.plots import method_styles
-
-    styles = method_styles(groups)
+    legend = legend_colours(curves_figure(groups))
     for label in labels:
-        assert f"background:{to_hex(styles[label][0])}'></span>{label}<" in first
+        assert f"background:{legend[label]}'></span>{label}<" in first
+    assert len(set(re.findall(r"background:(#[0-9a-f]{6})", first))) == len(labels)
     # ± in every table of a metric
     for metric in ("test_loss", "train_loss"):
         section = page.split(f"<h2 id='metric-{metric}'>", 1)[1].split("</table>", 1)[0]

@@ -93,11 +93,16 @@ class CellResult:
         return (self.run_dir / "metrics.jsonl").exists()
 
 
+# a cell whose folder holds a run of this config under plug-in code that changed since (not accepted)
+PLUGIN_CHANGED = "plug-in changed"
+
+
 @dataclass(frozen=True)
 class CellState:
-    action: str  # "start", "skip", "resume" or "conflict"
+    action: str  # "start", "skip", "resume", "conflict" (another config) or PLUGIN_CHANGED
     detail: str = ""
     rounds_done: int = 0
+    accepted: bool = False  # it goes on under plug-in code that changed since, as --accept-changed-plugins allows
 
 
 def cell_state(cell: Cell) -> CellState:
@@ -118,14 +123,13 @@ def cell_state(cell: Cell) -> CellState:
         if changed:
             return CellState("conflict", ", ".join(changed))
     from fedhet import plugins
+    from fedhet.components import plugins_in_use
 
-    if not plugins.accepting_changes():  # a finished cell is not skipped, nor a killed one resumed, under new code
-        diffs = plugins.changed(plugins.saved_fingerprints(folder), plugins.fingerprints(cell.config.run.plugins))
-        if diffs:
-            return CellState(
-                "conflict",
-                f"plug-in changed: {'; '.join(diffs)}; pass {plugins.ACCEPT_FLAG} to continue it under the new code",
-            )
+    # a finished cell is not skipped, nor a killed one resumed, under new code of a plug-in it runs, unless accepted
+    diffs = plugins.changed(plugins.saved_fingerprints(folder), plugins_in_use(cell.config))
+    if diffs and not plugins.accepting_changes():
+        return CellState(PLUGIN_CHANGED, "; ".join(diffs))
+    accepted = bool(diffs)
     try:
         summary = read_json(folder / "summary.json")
     except (OSError, ValueError):
@@ -133,7 +137,7 @@ def cell_state(cell: Cell) -> CellState:
     done = summary.get("rounds_done", 0) if isinstance(summary, dict) else 0
     if isinstance(summary, dict) and summary.get("status") == "finished":
         if done >= cell.config.run.rounds:
-            return CellState("skip", f"finished round {done}", done)
+            return CellState("skip", f"finished round {done}", done, accepted)
         return CellState("resume", f"finished round {done}, extend", done)
     if isinstance(summary, dict) and summary.get("status") == "failed":
         return CellState("resume", f"failed after round {done}, retry from its last checkpoint", done)
@@ -151,6 +155,14 @@ def check_conflicts(cells: list[Cell], states: dict[str, CellState]) -> None:
         raise ConfigError(
             f"{len(bad)} cell(s) already hold a run of a different config: {'; '.join(bad)}; only run.rounds "
             "may grow on a rerun: replace them with --overwrite, or choose another run.out_dir"
+        )
+    edited = [f"{c.name} ({states[c.name].detail})" for c in cells if states[c.name].action == PLUGIN_CHANGED]
+    if edited:
+        from fedhet.plugins import ACCEPT_FLAG
+
+        raise ConfigError(
+            f"{len(edited)} cell(s) ran plug-in code that changed since: {'; '.join(edited)}; restore it, pass "
+            f"{ACCEPT_FLAG} to continue them under the new code, or rerun them with --overwrite"
         )
 
 
@@ -197,6 +209,11 @@ def run_cells(
         for c in cells
         if states[c.name].action == "skip"
     }
+    for c in cells:
+        if c.name in skipped and states[c.name].accepted:
+            from fedhet.engine.runfolder import record_accepted_plugins
+
+            record_accepted_plugins(c.run_dir, c.config)
     todo = by_data([c for c in cells if c.name not in skipped])
     if min(jobs, len(todo)) > 1:
         from fedhet.engine.workers import check_workers_can_build

@@ -14,6 +14,8 @@ from rich.table import Table
 
 from fedhet import api
 from fedhet.cli_shared import (
+    BUILDING_CONFIG,
+    SUGGEST_COMMANDS,
     AcceptPluginsOpt,
     AlgorithmOpt,
     ClientsOpt,
@@ -46,6 +48,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     help="Federated learning on non-IID data: run, compare and report FL algorithms.",
+    **SUGGEST_COMMANDS,
 )
 app.add_typer(flower_app, name="flower")  # fedhet flower app | simulate | export (fedhet.flower.cli)
 
@@ -122,13 +125,9 @@ def run(
     check_run_flags(resume, overwrite)
     accept_changes(accept_changed_plugins)
     set_threads(threads)
-    cfg = api.make_config(
-        config,
-        set_,
-        plugins=plugin or (),
-        **shortcuts(locals()),
-    )
-    check_config_paths(cfg, writable=True)  # the output folders can be made and written, before any data loads
+    with interrupted(BUILDING_CONFIG):
+        cfg = api.make_config(config, set_, plugins=plugin or (), **shortcuts(locals()))
+        check_config_paths(cfg, writable=True)  # the output folders can be made and written, before any data loads
     run_dir = api.run_dir_of(cfg)
     with interrupted(f"the last checkpoint is kept; continue with --resume or: fedhet resume {run_dir}"):
         result = api.run(cfg, resume=resume, overwrite=overwrite, console=err_console)
@@ -302,8 +301,10 @@ def partition_cmd(
     check_output_file(plot, "--plot")
     given = {"dataset": dataset, "partition": partition, "clients": clients, "seed": seed, "data_dir": data_dir}
     check_shortcut_conflicts(set_ or (), given)
-    cfg = api.make_config(config, set_, plugins=plugin or (), **given)
-    fed = build_federation(cfg)
+    with interrupted(BUILDING_CONFIG):
+        cfg = api.make_config(config, set_, plugins=plugin or (), **given)
+    with interrupted("while the clients' data was being split; run the command again"):
+        fed = build_federation(cfg)
     counts = fed.train_counts
     table = Table(title=f"{cfg.dataset.name} / {cfg.partition.name} {cfg.partition.params() or ''}")
     table.add_column("client", justify="right")

@@ -7,6 +7,7 @@ command that runs a config takes the same shortcuts: ``-c -s -a -d -p -m -n -r -
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import warnings
@@ -15,11 +16,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from fedhet.errors import Interrupted
+
+# click 8.4+ ends "No such command 'rn'." with "Did you mean 'run'?" itself, and typer (0.16+) appends its own on top:
+# the apps turn typer's off where click has its own, so the suggestion is printed once with any pair of versions
+SUGGEST_COMMANDS: dict[str, bool] = (
+    {"suggest_commands": False}
+    if hasattr(click.exceptions, "NoSuchCommand") and "suggest_commands" in inspect.signature(typer.Typer).parameters
+    else {}
+)
 
 # Piped output (CI logs, `| tee`) gets a wide console so tables are not squeezed to 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 200)
@@ -153,6 +163,10 @@ def set_threads(threads: int | None) -> None:
         import torch
 
         torch.set_num_threads(threads)
+
+
+# Ctrl-C before a run starts: building the config loads plug-ins and checks datasets and folders (seconds)
+BUILDING_CONFIG = "while the config was being built, before anything trained; run the command again"
 
 
 @contextmanager

@@ -23,6 +23,7 @@ from fedhet.config import NAME_HASH_CHARS, RESUMABLE_CHANGES, Config
 from fedhet.engine.rundir import holds_run
 from fedhet.engine.training import config_changes, resolve_config
 from fedhet.errors import FedhetError
+from fedhet.models.fit import DEFAULT_MODEL, default_model
 from fedhet.paths import check_folder, check_output_file, mlflow_paths
 
 
@@ -44,14 +45,17 @@ def default_name(cfg: Config) -> str:
     with the same config finds it again. What may change on resume (``run.rounds``, display and worker keys,
     trackers) and where things are (``run.out_dir``, ``run.plugins``) are left out of the hash.
 
-    A folder named the old way (``Config.legacy_name``) that holds a run of exactly this config is kept: runs
-    started before the hash existed still resume under ``fedhet run --resume``."""
+    Where no run is in that folder, a folder named by an earlier rule that holds a run of exactly this config is
+    kept, so such runs still resume under ``fedhet run --resume``: the name without a hash (``Config.legacy_name``,
+    before the hash existed), and the hash that counted the model chosen for the dataset as a setting."""
     base = cfg.legacy_name()
     digest = settings_hash(cfg)
     name = f"{base}-{digest}" if digest else base
-    if digest and not _holds_run(Path(cfg.run.out_dir) / name) and _holds_same_run(cfg, base):
-        return base
-    return name
+    if _holds_run(Path(cfg.run.out_dir) / name):
+        return name
+    counted_model = settings_hash(cfg, model_default=DEFAULT_MODEL)
+    earlier = [base, f"{base}-{counted_model}" if counted_model else base]
+    return next((old for old in dict.fromkeys(earlier) if old != name and _holds_same_run(cfg, old)), name)
 
 
 # settings left out of the name's hash: those a resume may change, where the run and its plug-ins are, the
@@ -70,10 +74,12 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _resolved_and_defaults(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
+def _resolved_and_defaults(cfg: Config, model_default: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The config with every component parameter filled in, and the defaults to compare it with; where a component
-    cannot be resolved (its plug-in not loaded yet, a wrong name: make_config words that), the config as given."""
+    cannot be resolved (its plug-in not loaded yet, a wrong name: make_config words that), the config as given.
+    ``model.name``'s default is the model that fits the dataset (models/fit.py), or ``model_default``."""
     defaults = _flatten(Config.model_construct().to_dict())
+    defaults["model.name"] = model_default or default_model(cfg.dataset.name)
     raw = cfg.to_dict()
     try:
         plugins.load(cfg.run.plugins)
@@ -92,12 +98,13 @@ def _resolved_and_defaults(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]
     return raw, defaults
 
 
-def identity_settings(cfg: Config) -> dict[str, Any]:
+def identity_settings(cfg: Config, model_default: str | None = None) -> dict[str, Any]:
     """``"section.key" -> value`` of every setting (components resolved where they can be) that is not its default
     and is part of what a run computes: what ``default_name`` hashes. The names ``legacy_name`` shows (algorithm,
     dataset, partitioner, seed) are left out (they are in the name), and so is a ``partition.seed`` equal to
-    ``run.seed`` (the same partition)."""
-    raw, defaults = _resolved_and_defaults(cfg)
+    ``run.seed`` (the same partition), and the model the dataset gets when the config names none (``model_default``
+    replaces that default: names given before it counted)."""
+    raw, defaults = _resolved_and_defaults(cfg, model_default)
     flat = _flatten(raw)
     if flat.get("partition.seed") == flat.get("run.seed"):
         flat["partition.seed"] = None
@@ -113,9 +120,9 @@ def identity_settings(cfg: Config) -> dict[str, Any]:
 _MISSING = object()
 
 
-def settings_hash(cfg: Config) -> str:
+def settings_hash(cfg: Config, model_default: str | None = None) -> str:
     """``NAME_HASH_CHARS`` hex characters of SHA-256 over the non-default settings, or "" when there are none."""
-    settings = identity_settings(cfg)
+    settings = identity_settings(cfg, model_default)
     if not settings:
         return ""
     text = json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str)

@@ -242,6 +242,29 @@ def _plugin_key(spec: str) -> str:
     return Path(spec).name if is_file(spec) else spec
 
 
+def plugin_module(spec: str) -> str | None:
+    """The module a plug-in spec (``fingerprints``' keys) is imported as: a file's name without .py, a module's
+    own name, an entry point's target; None for an entry point no longer installed."""
+    if spec.startswith("entry-point:"):
+        name = spec.split(":", 1)[1]
+        ep = next((e for e in entry_points(group=GROUP) if e.name == name), None)
+        return ep.value.split(":", 1)[0].strip() if ep is not None else None
+    return _loaded.get(spec) or (Path(spec).stem if is_file(spec) else spec)
+
+
+def used_by(current: dict[str, Any], modules: Iterable[str]) -> dict[str, Any]:
+    """The fingerprints in ``current`` of the plug-ins whose code defines one of ``modules`` (the components a run
+    names): same top-level module or package, since a package's plug-in module may register classes defined in
+    its other modules. A plug-in whose module is unknown counts as used."""
+    tops = {m.split(".", 1)[0] for m in modules}
+    out = {}
+    for spec, info in current.items():
+        module = plugin_module(spec)
+        if module is None or module.split(".", 1)[0] in tops:
+            out[spec] = info
+    return out
+
+
 # set by --accept-changed-plugins (accept_changes()); an environment variable, so compare's worker processes and
 # Flower's see it too
 ACCEPT_ENV = "FEDHET_ACCEPT_CHANGED_PLUGINS"
@@ -277,10 +300,15 @@ def check_unchanged(
     return diffs
 
 
+# provenance.json's record of plug-in code accepted for a finished run that did not train under it (compare skips
+# the cell): {"plugins": ..., "after_resumes": how many resumes the run had then}
+ACCEPTED_KEY = "plugins_accepted"
+
+
 def saved_fingerprints(run_dir: str | Path) -> dict[str, Any] | None:
     """The plug-in fingerprints a run folder's provenance.json recorded last (the newest resume that recorded them,
-    else the run's start: a change accepted at one resume is not refused again at the next), or None (none
-    recorded, unreadable)."""
+    or a change accepted since without training, ``ACCEPTED_KEY``, else the run's start: a change accepted once is
+    not refused again), or None (none recorded, unreadable)."""
     import json
 
     try:
@@ -291,6 +319,14 @@ def saved_fingerprints(run_dir: str | Path) -> dict[str, Any] | None:
         return None
     resumes = info.get("resumes")
     records = [r for r in resumes if isinstance(r, dict)] if isinstance(resumes, list) else []
+    accepted = info.get(ACCEPTED_KEY)
+    since = len(resumes) if isinstance(resumes, list) else 0
+    if (
+        isinstance(accepted, dict)
+        and isinstance(accepted.get("plugins"), dict)
+        and accepted.get("after_resumes") == since
+    ):
+        return accepted["plugins"]  # accepted after the last resume
     for record in [*reversed(records), info]:
         if isinstance(record.get("plugins"), dict):
             return record["plugins"]

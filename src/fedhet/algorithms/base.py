@@ -59,6 +59,9 @@ class Algorithm:
     # models), so ``server.aggregation = "gne"`` can replace the weights. Read from the class that defines the
     # ``aggregate`` in use (``accepts_gne``): a subclass that overrides ``aggregate`` must declare it again.
     weighted_aggregate: ClassVar[bool] = True
+    # what else a weighted-average server reads from the replies where ``central_dp = False`` refuses central DP,
+    # for its one-line refusal
+    central_dp_unprivatised: ClassVar[str] = "other tensors in the replies, computed from the clients' data"
 
     @property
     def local_model_phase(self) -> str:

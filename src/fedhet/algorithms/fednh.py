@@ -157,6 +157,7 @@ class FedNH(FedAvg):
     batchable = True
     weighted_aggregate = True  # aggregate runs FedAvg's, then replaces the prototypes (GNE applies)
     central_dp = False  # the prototype sums and class counts would reach the server unprivatised
+    central_dp_unprivatised = "the class prototype sums and counts in the replies, computed from the clients' data"
 
     def __init__(self, config: FedNHConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
         super().__init__(config, setup, server_opt)

@@ -75,24 +75,32 @@ def epsilon(noise_multiplier: float, population: int, sample: int, count: int, d
 
 def noise_for_epsilon(target: float, population: int, sample: int, count: int, delta: float) -> float:
     """The smallest noise multiplier (to 1 %, rounded up) whose epsilon after ``count`` releases is at most
-    ``target``; a ``ConfigError`` when even ``Z_MAX`` cannot reach it (RDP's epsilon has a floor even
-    with infinite noise: about log(1/delta) over the largest order)."""
-    orders, _ = step_rdp(1.0, int(population), int(sample))
-    floor, _ = dp_accounting().rdp.compute_epsilon(orders, np.zeros(len(orders)), delta)  # infinite noise
+    ``target``; a ``ConfigError`` when even ``Z_MAX`` cannot reach it (the accountant's epsilon has a floor even
+    with unbounded noise, set by delta and the sampling rate far more than by the count)."""
     lo, hi = 0.0, 1.0
     while epsilon(hi, population, sample, count, delta) > target:
-        if hi >= Z_MAX or floor > target:
-            floor = epsilon(hi, population, sample, count, delta) if floor <= target else floor
-            raise ConfigError(
-                f"privacy.target_epsilon={target:g} cannot be reached: {count} rounds of {sample} of {population} "
-                f"clients at delta {delta:g} give at least epsilon {floor:.3g} (raise the target or delta, or run "
-                "fewer rounds)"
-            )
+        if hi >= Z_MAX:
+            raise ConfigError(unreachable(target, population, sample, count, delta))
         lo, hi = hi, min(hi * 4, Z_MAX)
     while hi - lo > 1e-2 * hi:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if epsilon(mid, population, sample, count, delta) > target else (lo, mid)
     return hi
+
+
+def unreachable(target: float, population: int, sample: int, count: int, delta: float) -> str:
+    """Why ``target`` cannot be reached, with only the changes that lower epsilon here: fewer rounds only where
+    one round would reach it, fewer clients per round only where more than one is sampled."""
+    most_noise = epsilon(Z_MAX, population, sample, count, delta)
+    ways = ["raise privacy.target_epsilon or privacy.delta"]
+    if count > 1 and epsilon(Z_MAX, population, sample, 1, delta) <= target:
+        ways.append("run fewer rounds")
+    ways.append("sample fewer clients per round or from more clients" if sample > 1 else "sample from more clients")
+    rounds = f"{count} round{'s' if count != 1 else ''}"
+    return (
+        f"privacy.target_epsilon={target:g} cannot be reached: {rounds} of {sample} of {population} clients at delta "
+        f"{delta:g} give epsilon {most_noise:.3g} even with noise multiplier {Z_MAX:g} ({'; '.join(ways)})"
+    )
 
 
 def clip_rows(updates: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,6 +167,19 @@ class CentralDP:
         eps = epsilon(self.noise_multiplier, self.population, self.per_round, self.releases, self.cfg.delta)
         return {"privacy/epsilon": eps, "privacy/noise_multiplier": self.noise_multiplier, **self.last}
 
+    def accounting(self) -> dict[str, Any]:
+        """summary.json's ``privacy``: the noise multiplier the run used (what target_epsilon resolved to, which
+        config.json leaves null), what the accountant counts with (N clients, m a round, delta), and epsilon now."""
+        return {
+            "mode": "central",
+            "noise_multiplier": self.noise_multiplier,
+            "target_epsilon": self.cfg.target_epsilon,
+            "delta": self.cfg.delta,
+            "clients": self.population,
+            "clients_per_round": self.per_round,
+            "epsilon": self.metrics()["privacy/epsilon"],
+        }
+
     def state_dict(self) -> dict[str, Any]:
         return {"releases": self.releases, "clip": self.clip, "noise_multiplier": self.noise_multiplier}
 
@@ -186,6 +207,17 @@ class LocalDP:
         if not eps:
             return {}
         return {"privacy/epsilon_max": max(eps), "privacy/epsilon_mean": sum(eps) / len(eps)}
+
+    def accounting(self) -> dict[str, Any]:
+        """summary.json's ``privacy``: the noise multiplier, delta and batch size each client's epsilon is counted
+        with, and the largest and mean epsilon now."""
+        counted = {
+            "noise_multiplier": self.cfg.noise_multiplier,
+            "delta": self.cfg.delta,
+            "batch_size": self.batch_size,
+        }
+        eps = self.metrics()
+        return {"mode": "local", **counted, **{k.removeprefix("privacy/"): v for k, v in eps.items()}}
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps": {int(c): list(v) for c, v in self.steps.items()}}

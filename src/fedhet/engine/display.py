@@ -52,14 +52,26 @@ class RunDisplay:
         self.task = self.progress.add_task(self.name, total=self.rounds, completed=done, acc="—")
 
     def evaluated(self, record: dict[str, Any]) -> None:
-        self.progress.update(self.task, acc=f"{100 * record['test_acc']:.2f}%")
+        spent = privacy_spent(record)
+        self.progress.update(self.task, acc=f"{100 * record['test_acc']:.2f}%{spent}")
         if not self.enabled or self.interactive:
             return
         loss = record.get("train_loss")
         text = f"{self.name}: round {record['round']}/{self.rounds}, test_acc {100 * record['test_acc']:.2f}%"
         text += f", train_loss {loss:.4g}" if loss is not None else ""
+        text += spent
         text += f", {record['clients']} clients, {record['elapsed_s']:.1f} s"
         self.console.print(escape(text), highlight=False, soft_wrap=True)
 
     def advance(self) -> None:
         self.progress.update(self.task, advance=1)
+
+
+def privacy_spent(record: dict[str, Any]) -> str:
+    """ ", epsilon 3.21" for a run under differential privacy (central: the run's; local: the largest of a client's),
+    else ""."""
+    if record.get("privacy/epsilon") is not None:
+        return f", epsilon {record['privacy/epsilon']:.3g}"
+    if record.get("privacy/epsilon_max") is not None:
+        return f", epsilon {record['privacy/epsilon_max']:.3g} (largest of a client)"
+    return ""

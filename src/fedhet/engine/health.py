@@ -51,12 +51,14 @@ class RunHealth:
         if idle:
             notes.append(f"{idle} of {len(sizes)} clients hold no training samples and drop out whenever sampled")
         total, batch = sum(sizes), self.cfg.train.batch_size
-        if total < len(sizes) * batch:
+        # clients smaller than a batch still train (on one short batch), and together on every sample: only a
+        # federation whose data would not fill a single batch trains on almost nothing
+        if total < batch:
             fraction = self.cfg.dataset.train_fraction
             kept = f" (dataset.train_fraction={fraction:g})" if fraction < 1 else ""
             notes.append(
-                f"the clients hold {total} training samples in all{kept}, less than one batch of "
-                f"{batch} per client: the run trains on almost nothing"
+                f"the clients hold {total} training samples in all{kept}, fewer than one batch of {batch}: the run "
+                "trains on almost nothing"
             )
         if self.algo.personalized and not any(c.y_test is not None and len(c.y_test) > 0 for c in self.fed.clients):
             notes.append(

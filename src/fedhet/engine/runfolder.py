@@ -15,6 +15,7 @@ from typing import Any
 from filelock import FileLock
 
 from fedhet import plugins
+from fedhet.components import plugins_in_use
 from fedhet.config import Config
 from fedhet.engine.checkpoint import CheckpointError, Loaded, load_latest, remove_temporaries
 from fedhet.engine.rundir import (
@@ -102,9 +103,7 @@ class RunFolder:
     def check_plugins(self) -> None:
         """Refuse to resume under plug-in code that differs from what the run recorded in provenance.json (one
         line naming the file), unless --accept-changed-plugins; accepted, the change is a warning."""
-        diffs = plugins.check_unchanged(
-            plugins.saved_fingerprints(self.path), plugins.fingerprints(self.cfg.run.plugins), self.path
-        )
+        diffs = plugins.check_unchanged(plugins.saved_fingerprints(self.path), plugins_in_use(self.cfg), self.path)
         if diffs:
             self.warn(
                 f"continuing under changed plug-in code ({'; '.join(diffs)}, accepted): the rounds before and after "
@@ -292,3 +291,19 @@ def rounding_changes(state: dict[str, Any], threads: int, kind: str) -> list[str
     if was is not None and was != kind:
         changes.append(f"its clients trained {was} and now train {kind}")
     return changes
+
+
+def record_accepted_plugins(folder: Path, cfg: Config) -> None:
+    """Plug-in code accepted (--accept-changed-plugins) for a finished run that does not train again (compare skips
+    the cell): provenance.json records it, so the next rerun without the flag compares with it and goes on."""
+    path = folder / "provenance.json"
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # nothing readable recorded: nothing to refuse later either
+    if not isinstance(info, dict):
+        return
+    resumes = info.get("resumes")
+    done = len(resumes) if isinstance(resumes, list) else 0
+    info[plugins.ACCEPTED_KEY] = {"after_resumes": done, "plugins": plugins.fingerprints(cfg.run.plugins)}
+    write_json_atomic(path, info)

@@ -189,6 +189,8 @@ class Simulation:
         counted = last + 1 if status.get("status") == "failed" else last  # a failed round counts
         warnings = self.notes + self.health.round_notes(counted, self.seen)
         extra = {"empty_rounds": self.health.empty_rounds, **({"attack": self.attack} if self.attack else {})}
+        if self.algo.privacy is not None:
+            extra["privacy"] = self.algo.privacy.accounting()
         try:
             summary = self.folder.write_summary(last, self.wall(), extra, warnings, **status)
         except OSError as err:

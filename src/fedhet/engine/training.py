@@ -102,10 +102,16 @@ def check_privacy(cfg: Config) -> None:
                 "privacy.mode='central' already bounds every update's norm by privacy.clip; unset server.norm_bound"
             )
         if not algo.accepts_central_dp():
-            able = [e.name for e in ALGORITHMS.entries() if e.obj.accepts_central_dp()]
+            able = ", ".join(e.name for e in ALGORITHMS.entries() if e.obj.accepts_central_dp())
+            if algo.accepts_gne():  # a weighted average, but not the only thing its server takes from the clients
+                raise ConfigError(
+                    f"privacy.mode='central' privatises the weighted average of the client models only, and "
+                    f"{algo.name}'s server also uses {algo.central_dp_unprivatised}, which would reach it "
+                    f"unprivatised; algorithms that accept it: {able}"
+                )
             raise ConfigError(
                 f"privacy.mode='central' privatises a weighted average of client models, which {algo.name}'s server "
-                f"does not take; algorithms that accept it: {', '.join(able)}"
+                f"does not take; algorithms that accept it: {able}"
             )
     elif not algo.__dict__.get("dp_sgd", False):
         able = [e.name for e in ALGORITHMS.entries() if e.obj.__dict__.get("dp_sgd", False)]

@@ -8,6 +8,8 @@ from typing import Annotated, Any
 import typer
 
 from fedhet.cli_shared import (
+    BUILDING_CONFIG,
+    SUGGEST_COMMANDS,
     AlgorithmOpt,
     ClientsOpt,
     ConfigOpt,
@@ -34,13 +36,15 @@ flower_app = typer.Typer(
     no_args_is_help=True,
     help="Run fedhet algorithms on Flower: app folders for `flwr run` (SuperLink + SuperNodes), Flower's Ray "
     "simulation, and per-client data files for SuperNodes.",
+    **SUGGEST_COMMANDS,
 )
 
 
 def _config(config: Path | None, sets: list[str] | None, plugins: list[str] | None, runs_here: bool = True, **kw: Any):
     from fedhet.api import make_config
 
-    return make_config(config, sets, plugins=plugins or (), runs_here=runs_here, **kw)
+    with interrupted(BUILDING_CONFIG):
+        return make_config(config, sets, plugins=plugins or (), runs_here=runs_here, **kw)
 
 
 @flower_app.command("app")

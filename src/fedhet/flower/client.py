@@ -35,11 +35,12 @@ from flwr.clientapp import ClientApp
 from fedhet.config import Config
 from fedhet.data.federated import FederatedDataset
 from fedhet.data.types import ClientData
+from fedhet.engine.checkpoint import StateFileError
 from fedhet.engine.client import ClientRunner
 from fedhet.errors import ConfigError
 from fedhet.flower import codec, secagg
 from fedhet.flower.data import load_client_file
-from fedhet.flower.node_state import History, NodeStateStore, node_store, state_info
+from fedhet.flower.node_state import DAMAGED_STATE, History, NodeStateStore, node_store, state_info
 
 CLIENT_ERROR = 2  # flwr.common.constant.ErrorCode.CLIENT_APP_RAISED_EXCEPTION
 LABEL_COUNTS = "fedhet.label_counts"
@@ -190,6 +191,8 @@ def respond(msg: FlowerMessage, work: Callable[[], RecordDict]) -> FlowerMessage
     """Reply with ``work()``'s records, or with an error naming the exception (the server drops that client)."""
     try:
         return FlowerMessage(work(), reply_to=msg)
+    except StateFileError as err:  # the run's problem, not the client's: the server stops the run naming the file
+        return FlowerMessage(Error(code=CLIENT_ERROR, reason=f"{DAMAGED_STATE}{err}"), reply_to=msg)
     except Exception as err:  # a failing client is dropped from the round, never the node
         where = " | ".join(traceback.format_exc(limit=4).splitlines()[-4:])
         return FlowerMessage(Error(code=CLIENT_ERROR, reason=f"{type(err).__name__}: {err} [{where}]"), reply_to=msg)

@@ -16,8 +16,9 @@ A node with a state folder (``--node-config 'state-dir="/var/lib/fedhet"'``) wri
 training as a new file ``<state-dir>/<run>/client-<id>/r<round>-p<phase>-<attempt>.pt`` (a temporary file, then
 renamed: a crash leaves the previous versions intact) and reads the newest version that the history counts. A version
 is sealed with the SHA-256 of its content, as a checkpoint is (``fedhet.engine.state.save_state_file``), and checked
-when read: a damaged, truncated or unsealed one raises ``StateFileError`` naming the file, so the client's training
-fails with that message instead of training on it (an older version is never silently used in its place). After
+when read: a damaged, truncated or unsealed one raises ``StateFileError`` naming the file, which the node answers
+with ``DAMAGED_STATE`` and the server turns into a stopped run naming the client, the node and the file, as the
+simulation stops (an older version is never silently used in its place, nor the client dropped round after round). After
 writing, it deletes the client's versions that no resume can need any more: it keeps the newest counted version at
 or before each kept checkpoint's round and the newest counted version overall. It never deletes anything but
 version files in its own client folders.
@@ -42,6 +43,9 @@ from fedhet.errors import ConfigError
 from fedhet.flower import codec
 
 STATE_DIR_KEY = "state-dir"  # node config key of a node's state folder
+# how a node's error reply starts when a client's state file fails its seal: the server stops the run on it (as the
+# simulation does), rather than dropping that client from every round
+DAMAGED_STATE = "damaged client state: "
 ATTEMPT = re.compile(r"[0-9a-f]{1,64}")
 VERSION = re.compile(r"^r(\d+)-p(\d+)-([0-9a-f]{1,64})\.pt$")
 SAFE = re.compile(r"[^A-Za-z0-9._-]+")

@@ -34,10 +34,11 @@ from fedhet.algorithms.base import Message, Reply
 from fedhet.config import Config
 from fedhet.data.federated import FederatedDataset
 from fedhet.data.types import ClientData
+from fedhet.engine.checkpoint import StateFileError
 from fedhet.errors import FedhetError
 from fedhet.flower import codec
 from fedhet.flower.client import label_counts_from
-from fedhet.flower.node_state import Attempt, History, safe_name
+from fedhet.flower.node_state import DAMAGED_STATE, Attempt, History, safe_name
 from fedhet.flower.secagg import SecureAggregation
 from fedhet.results.store import MetricsLog
 
@@ -264,8 +265,20 @@ class FlowerExecutor:
             except Exception as err:  # a malformed reply drops that client, not the run
                 replies.pop(cid, None)
                 failures.append(failure(rnd, phase, cid, f"unreadable reply: {type(err).__name__}: {err}"))
+        for f in failures:
+            self.stop_if_damaged(rnd, f["client"], f["error"])
         self.track_state(rnd, infos)
         return replies, sorted(failures, key=lambda f: f["client"])
+
+    def stop_if_damaged(self, rnd: int, cid: int, why: str) -> None:
+        """A client's state file that fails its seal on its node stops the run (``StateFileError``, naming the file),
+        as in the simulation: dropping the client would leave it out of every round without a word."""
+        if DAMAGED_STATE in why:
+            damage = why.split(DAMAGED_STATE, 1)[1]
+            raise StateFileError(
+                f"round {rnd}: client {cid}'s state on node {self.nodes.holder.get(cid, '?')} is damaged: {damage}; "
+                "the run stops at its last checkpoint: restore that file, or start the run again (--overwrite)"
+            )
 
     def track_state(self, rnd: int, infos: dict[int, tuple[bool, list[str]]]) -> None:
         """Follow which clients keep state, and stop on state that was there and is gone."""
@@ -335,6 +348,7 @@ class FlowerExecutor:
         out = {}
         for cid, answer in answers.items():
             if answer.has_error():
+                self.stop_if_damaged(rnd, cid, error_text(answer))
                 log.warning("personalised evaluation of client %s failed: %s", cid, error_text(answer))
                 continue
             values = answer.content[codec.METRICS]

@@ -3,7 +3,7 @@
 The page opens with the setting every row shares and the settings that tell the rows apart, then one section per
 reported metric (the chosen one first, then every other metric some run recorded: METRIC_LABELS), each with its
 table and curves, reached from the metric links at the top; then each run's config. Rows, legends and colours are
-the same as in `fedhet report` and `compare` (one order, one colour per method; a swatch beside each row's name).
+the same as in `fedhet report` and `compare` (one order; a swatch beside each row's name in its curve's colour).
 The curves are PNGs embedded as data URIs and the styles are inline, so the file can be mailed or opened from disk
 and shows the same everywhere.
 """
@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from html import escape
 from pathlib import Path
 
-from fedhet.results.plots import METRIC_LABELS, colour_hex, curves_figure, method_styles
+from fedhet.results.plots import METRIC_LABELS, colour_hex, curves_figure, row_styles
 from fedhet.results.report import (
     Group,
     differing_keys,
@@ -61,7 +61,7 @@ def write_html(
 
     check_output_file(path, "HTML report")  # before the work: a folder, FIFO or dangling link there is refused
     shown = reported_metrics(groups, metrics) if every_metric else list(metrics)
-    swatches = {label: colour_hex(colour) for label, (colour, _) in method_styles(groups).items()}
+    swatches = {label: colour_hex(style.colour) for label, style in row_styles(groups, panels).items()}
     sections = [f"<h1>fedhet report</h1><p class='meta'>{len(groups)} groups, {sum(len(g.runs) for g in groups)} "
                 f"runs; written {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}</p>"]  # fmt: skip
     links = " ".join(f"<a href='#{anchor(m)}'>{escape(m)}</a>" for m in shown)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
@@ -83,46 +85,45 @@ def curves_figure(
 ) -> Figure:
     """`metric` vs round: one line per group, the mean over seeds with a shaded ±1 std band.
 
-    Each method keeps one (colour, line style) pair whatever the panels (``method_styles``: the same in
-    ``--plot``, ``--panels family``, ``--panels setting`` and the HTML page); settings of one method that share an
-    axes differ by marker. The legend, outside the axes so 20 groups hide no curve, lists the groups in the table's
-    order. ``smooth`` plots the EMA the run recorded (``test_acc_ema``), or for another metric the same EMA (factor
-    ``run.ema``) computed here. ``panels``: one panel per method family or per setting (the dataset, partition,
-    model and training values that differ between groups)."""
+    Each method keeps one line style whatever the panels, and its colour wherever it has one row per axes
+    (``row_styles``, which the HTML page's swatches follow); rows of one method that share an axes (the settings of
+    a grid) each get their own colour and a marker per setting. Each ± band's edges are drawn in its curve's colour
+    and dashes, so overlapping bands stay apart. The legend, outside the axes so 20 groups hide no curve, lists the
+    groups in the table's order. ``smooth`` plots the EMA the run recorded (``test_acc_ema``), or for another metric
+    the same EMA (factor ``run.ema``) computed here. ``panels``: one panel per method family or per setting (the
+    dataset, partition, model and training values that differ between groups)."""
     if panels not in (None, *PANELS):
         raise FedhetError(f"unknown panels {panels!r}; choose one of: {', '.join(PANELS)}")
-    methods, settings = method_and_setting(groups)
-    style = method_styles(groups)
-    if panels == "family":
-        panel_of = [family(str(g.settings.get("algorithm.name"))) for g in groups]
-    elif panels == "setting":
-        panel_of = settings
-    else:
-        panel_of = [""] * len(groups)
+    methods, _ = method_and_setting(groups)
+    style = row_styles(groups, panels)
+    panel_of = panel_names(groups, panels)
     order = list(dict.fromkeys(panel_of))
     if panels == "family":
         order.sort(key=lambda name: list(FAMILIES).index(name) if name in FAMILIES else len(FAMILIES))
-    # a method drawn in several settings within one axes: one marker per setting
-    crowded = {(panel_of[i], methods[i]) for i in range(len(groups))}
-    shared = len(crowded) < len(groups)
-    marker = {s: MARKERS[i % len(MARKERS)] for i, s in enumerate(dict.fromkeys(settings))}
     fig, axes = panel_axes(len(order))
     scale = 100.0 if is_percent(metric) else 1.0
     drawn: dict[str, Any] = {}
-    # overlapping std bands add up: fainter the more curves share an axes, so 20 bands do not turn to mud
-    band_alpha = min(0.2, 0.3 / max(1, len(groups) / len(order)) ** 0.5)
+    # overlapping std bands add up: fainter the more curves share an axes, so 20 bands do not turn to mud; each
+    # band's edges are drawn in its curve's colour and dashes, so overlapping bands stay apart
+    band_alpha = min(0.15, 0.25 / max(1, len(groups) / len(order)) ** 0.5)
     for i, group in enumerate(groups):
         method, panel = methods[i], panel_of[i]
         rounds, mean, std = seed_curve(group.runs, metric, smooth)
         if len(rounds) == 0:
             continue
         ax = axes[order.index(panel)]
-        colour, dashes = style[group.label]
-        extra = (
-            {"marker": marker[settings[i]], "markevery": max(1, len(rounds) // 8), "markersize": 4} if shared else {}
+        row = style[group.label]
+        extra = {"marker": row.marker, "markevery": max(1, len(rounds) // 8), "markersize": 4} if row.marker else {}
+        (line,) = ax.plot(rounds, mean * scale, color=row.colour, linestyle=row.dashes, linewidth=1.6, **extra)
+        ax.fill_between(
+            rounds,
+            (mean - std) * scale,
+            (mean + std) * scale,
+            facecolor=to_rgba(row.colour, band_alpha),
+            edgecolor=to_rgba(row.colour, 0.6),
+            linestyle=row.dashes,
+            linewidth=0.7,
         )
-        (line,) = ax.plot(rounds, mean * scale, color=colour, linestyle=dashes, linewidth=1.6, **extra)
-        ax.fill_between(rounds, (mean - std) * scale, (mean + std) * scale, color=colour, alpha=band_alpha, linewidth=0)
         if panels == "setting":  # the panel titles name the settings: one legend entry per method
             seeds = {len(g.runs) for g, m in zip(groups, methods, strict=True) if m == method}
             drawn.setdefault(method, (line, f"{method} (n={'/'.join(map(str, sorted(seeds)))})"))
@@ -155,6 +156,42 @@ def method_and_setting(groups: list[Group]) -> tuple[list[str], list[str]]:
     names = short_names(setting_keys)
     setting = [" ".join(f"{names[k]}={format_value(s.get(k))}" for k in setting_keys) or "all" for s in settings]
     return methods, setting
+
+
+def panel_names(groups: list[Group], panels: str | None) -> list[str]:
+    """The panel each group is drawn in: its method's family, its setting, or "" (one axes)."""
+    if panels == "family":
+        return [family(str(g.settings.get("algorithm.name"))) for g in groups]
+    if panels == "setting":
+        return method_and_setting(groups)[1]
+    return [""] * len(groups)
+
+
+@dataclass(frozen=True)
+class Style:
+    colour: Any
+    dashes: str
+    marker: str | None = None
+
+
+def row_styles(groups: list[Group], panels: str | None = None) -> dict[str, Style]:
+    """Group label -> how its curve is drawn, and the colour of its swatch on the HTML page (with the same
+    ``panels``). A method keeps one line style in every figure. Where rows of one method share an axes (settings of
+    a grid drawn together), each row gets a colour of its own (in the table's order) and a marker per setting, so
+    neither their curves, their ± bands nor their swatches look alike; elsewhere (one row per method in each axes,
+    and ``--panels setting``, whose panels hold one setting each) a method keeps its colour (``method_styles``)."""
+    methods, settings = method_and_setting(groups)
+    per_method = method_styles(groups)
+    panel_of = panel_names(groups, panels)
+    if len(set(zip(panel_of, methods, strict=True))) == len(groups):
+        return {label: Style(colour, dashes) for label, (colour, dashes) in per_method.items()}
+    marker = {s: MARKERS[i % len(MARKERS)] for i, s in enumerate(dict.fromkeys(settings))}
+    return {g.label: Style(row_colour(i), per_method[g.label][1], marker[settings[i]]) for i, g in enumerate(groups)}
+
+
+def row_colour(i: int) -> Any:
+    """The i-th of 20 distinct colours: tab10's, then tab20's lighter shade of each."""
+    return colormaps["tab10"](i % 10) if i % 20 < 10 else colormaps["tab20"](2 * (i % 10) + 1)
 
 
 def method_styles(groups: list[Group]) -> dict[str, tuple[Any, str]]:
