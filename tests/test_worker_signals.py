@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -178,3 +179,52 @@ def test_ctrl_c_while_the_workers_stop_at_exit_is_one_line_and_exit_130(tmp_path
     ], err[-3000:]
     assert group_gone(proc.pid)
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+class _Ended(Exception):
+    """Stands in for ``os._exit`` in ``orphaned``."""
+
+
+@pytest.mark.parametrize("parent_killed", [True, False])
+def test_a_helper_threads_error_after_the_parent_was_killed_ends_the_worker_without_a_traceback(
+    monkeypatch, parent_killed
+):
+    """multiprocessing's resource sharer reports a connection the killed parent cut in mid-handshake through
+    ``sys.excepthook``, from its own thread, a moment before the worker notices the parent's end: the worker ends as
+    the kill would, silently; while the parent lives, an error is reported as before."""
+    from fedhet.engine import workers
+
+    reported = []
+
+    def orphaned():
+        raise _Ended
+
+    monkeypatch.setattr(workers, "parent_gone", lambda timeout=1.0: parent_killed)
+    monkeypatch.setattr(workers, "orphaned", orphaned)
+    hook = workers.quiet_when_orphaned(lambda *args: reported.append(args))
+    error = ConnectionResetError("reset by peer")
+    if parent_killed:
+        with pytest.raises(_Ended):
+            hook(type(error), error, None)
+        assert reported == []
+    else:
+        hook(type(error), error, None)
+        assert reported == [(type(error), error, None)]
+
+
+def _hooks_of_a_started_worker(queue) -> None:
+    from fedhet.engine import workers
+
+    workers.worker_started()
+    queue.put((sys.excepthook.__qualname__, threading.excepthook.__qualname__))
+
+
+def test_a_worker_process_reports_through_the_quiet_hooks():
+    from fedhet.engine import workers
+
+    queue = workers.CONTEXT.Queue()
+    proc = workers.CONTEXT.Process(target=_hooks_of_a_started_worker, args=(queue,))
+    proc.start()
+    hooks = queue.get(timeout=60)
+    proc.join(timeout=60)
+    assert hooks == ("quiet_when_orphaned.<locals>.excepthook",) * 2

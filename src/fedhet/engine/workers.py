@@ -42,7 +42,7 @@ import shutil
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -144,6 +144,21 @@ def worker_started() -> None:
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_with, args=(parent.sentinel,), daemon=True, name="fedhet-parent").start()
+    sys.excepthook = quiet_when_orphaned(sys.excepthook)
+    threading.excepthook = quiet_when_orphaned(threading.excepthook)
+
+
+def quiet_when_orphaned(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook``, but an error raised because the parent was killed ends the worker as the kill would, with no
+    traceback: multiprocessing's resource sharer (which hands the parent a tensor's shared memory) reports a
+    connection cut in mid-handshake through ``sys.excepthook``, from its own thread, before ``_exit_with`` runs."""
+
+    def excepthook(*args: Any) -> None:
+        if parent_gone():
+            orphaned()
+        hook(*args)
+
+    return excepthook
 
 
 def parent_gone(timeout: float = 1.0) -> bool:
