@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 FMNIST_DIR := /usr/share/datasets/fashion-mnist
 
-.PHONY: setup data browser demo test lint format bench docs clean
+.PHONY: setup data browser demo test test-fast lint format bench docs clean
 
 setup: $(VENV)/.installed
 
@@ -39,9 +39,20 @@ browser:
 demo: setup data
 	$(VENV)/bin/fedhet demo --overwrite
 
+# pytest-xdist spreads the tests over the cores (TEST_JOBS=1 runs them in this process, one after another); a test
+# that starts its own workers, Flower nodes or Ray gets a core like any other.
+TEST_JOBS ?= auto
+PYTEST := $(PY) -m pytest -n $(TEST_JOBS) --dist worksteal
+
 test: setup data browser
 	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(PY) -m pytest
+	$(PYTEST)
+
+# The edit-test loop: every test not marked slow (the slow ones start processes, Flower nodes, Ray or a browser, or
+# train for seconds); it imports every module and exercises each.
+test-fast: setup data
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(PYTEST) -m "not slow"
 
 lint:
 	$(VENV)/bin/ruff check src tests benchmarks examples

@@ -110,6 +110,7 @@ REFUSED = (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["script", "notebook"])
 def test_a_component_defined_in_main_is_refused_in_one_line_before_any_worker_starts(tmp_path, where):
     """Workers never import ``__main__``: what it registers cannot reach them (a notebook's definitions never could),

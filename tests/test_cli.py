@@ -44,6 +44,7 @@ def test_bad_input_is_a_config_error_before_training(tmp_path, args, message):
     assert not list(tmp_path.glob("*/metrics.jsonl"))  # nothing ran
 
 
+@pytest.mark.slow
 def test_cli_prints_one_line_errors_without_traceback(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "fedhet.cli", "run", *TINY, "-o", str(tmp_path), "-a", "nope"],
@@ -56,6 +57,7 @@ def test_cli_prints_one_line_errors_without_traceback(tmp_path):
     assert proc.stderr.strip().startswith("error: unknown algorithm 'nope'")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["--data-dir", "FEDHET_DATA"])
 def test_a_data_location_without_the_data_is_one_error_line(tmp_path, how):
     # Even where the system copy of Fashion-MNIST is installed, an explicit location must not fall back to it.
@@ -201,6 +203,7 @@ def test_bad_run_settings_are_one_line_errors(tmp_path, args, message):
     assert not list(tmp_path.glob("*/metrics.jsonl"))  # nothing ran
 
 
+@pytest.mark.slow
 def test_bad_config_files_are_one_line_errors_from_the_command_line(tmp_path):
     latin1 = tmp_path / "latin1.toml"
     latin1.write_bytes('[run]\nname = "caf\xe9"\n'.encode("latin-1"))
@@ -217,6 +220,7 @@ def test_bad_config_files_are_one_line_errors_from_the_command_line(tmp_path):
         assert len(lines) == 1 and lines[0].startswith("error: config file") and message in lines[0], lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("args", "expected"),
     [

@@ -65,6 +65,7 @@ def final_state(run_dir: Path) -> dict:
     return read_checkpoint(run_dir / "checkpoints" / "last.pt")["algo"]
 
 
+@pytest.mark.slow
 def test_jobs_2_gives_the_same_runs_as_jobs_1_and_forwards_warnings_and_failures(tmp_path):
     cfg = write_config(
         tmp_path,
@@ -169,6 +170,7 @@ def test_grid_points_are_named_by_their_values():
         grid_points({"partition.alpha": [0.1, 0.1]})
 
 
+@pytest.mark.slow
 def test_grid_runs_the_product_in_one_folder_per_point(tmp_path):
     cfg = write_config(
         tmp_path, 'variants = ["fedavg", "fedprox"]\nseeds = [0, 1]\n[compare.grid]\npartition.alpha = [0.3, 1.0]\n'

@@ -175,6 +175,7 @@ def workdir(tmp_path_factory):
 # ------------------------------------------------------------------------------------- validation, no data loaded
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(content=st.one_of(st.none(), file_contents), sets=st.lists(overrides(), max_size=4))
 def test_any_config_validates_or_fails_with_one_clean_line(workdir, content, sets):
@@ -270,6 +271,7 @@ def run_cli(args: list[str]) -> tuple[int, str]:
     return code, err.getvalue()
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(changes=st.lists(mutations(), min_size=1, max_size=2))
 def test_the_command_line_runs_or_prints_one_error_line(workdir, changes):

@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_a_run_logged_to_a_file_prints_a_line_per_evaluation(tmp_path):
     args = ["run", "-d", "digits", "-m", "mlp", "-n", "4", "-r", "3", "-o", str(tmp_path), "--name", "log"]
     args += ["-s", "partition.min_size=20", "-s", "run.eval_every=2"]
@@ -17,6 +20,7 @@ def test_a_run_logged_to_a_file_prints_a_line_per_evaluation(tmp_path):
     assert "━" not in proc.stderr  # no bar drawn into the file
 
 
+@pytest.mark.slow
 def test_a_quiet_run_prints_no_round_lines(tmp_path):
     args = ["run", "-d", "digits", "-m", "mlp", "-n", "4", "-r", "2", "-o", str(tmp_path), "--name", "quiet"]
     args += ["-s", "partition.min_size=20", "-s", "run.progress=false"]

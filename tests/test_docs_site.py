@@ -29,6 +29,7 @@ def site(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_every_doc_page_is_built_with_the_api_reference(site):
     pages = {p.relative_to(ROOT / "docs").with_suffix("") for p in (ROOT / "docs").rglob("*.md")}
     for page in pages:  # every page is in the navigation too: mkdocs.yml's validation warns of one left out
@@ -55,6 +56,7 @@ def test_the_home_page_defines_every_link_the_readme_defines():
     assert used <= set(labels.findall(home)), used - set(labels.findall(home))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(browser() is None, reason=MISSING)
 def test_the_home_page_and_the_api_page_render_in_headless_chromium(site, tmp_path):
     home = headless(site / "index.html", tmp_path / "profile", "--dump-dom")

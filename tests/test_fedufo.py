@@ -320,6 +320,7 @@ def test_fedufo_resumes_bit_exact_across_the_stage_boundary(tiny_config, kill_an
     torch.testing.assert_close(full.algo.global_params, resumed.algo.global_params, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "params",
     [{}, {"discriminator": "private", "posterior_init": "prior"}, {"disc_schedule": "step"}],

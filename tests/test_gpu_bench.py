@@ -6,11 +6,14 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from fedhet.data.datasets.base import DATASETS
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "gpu.py"
 
 
+@pytest.mark.slow
 def test_small_mode_runs_every_case_and_writes_its_table(tmp_path, monkeypatch):
     monkeypatch.setattr(DATASETS, "_entries", dict(DATASETS._entries))  # its generated datasets end with the test
     spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)

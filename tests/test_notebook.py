@@ -18,6 +18,7 @@ def test_the_notebook_is_committed_without_outputs():
     assert code and all(cell["outputs"] == [] and cell["execution_count"] is None for cell in code)
 
 
+@pytest.mark.slow
 def test_the_notebook_runs_and_shows_the_comparison(tmp_path):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -197,6 +197,7 @@ def test_a_long_name_is_refused_by_the_python_api_too(tmp_path):
         fedhet.make_config({"run": {"out_dir": str(tmp_path), "name": "é" * 128}})  # 128 characters, 256 bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["fifo", "/dev/zero"])
 def test_a_config_that_is_no_regular_file_is_refused_before_it_is_read(tmp_path, source):
     """The issue's cases as a user meets them: `-c FIFO` hung forever, `-c /dev/zero` ended in a MemoryError."""

@@ -111,6 +111,7 @@ def test_the_html_report_is_one_self_contained_page(twenty, tmp_path):
     assert "each seed draws its own partition" in page
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(browser() is None, reason=MISSING)
 def test_the_html_report_renders_in_headless_chromium(twenty, tmp_path):
     page = write_html(twenty[:20], tmp_path / "report.html", panels="family")

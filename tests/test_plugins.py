@@ -108,6 +108,7 @@ def test_without_its_plugin_the_name_is_unknown_with_a_hint(tiny_config):
         Simulation(tiny_config(algorithm={"name": "fedavg_ls"}))
 
 
+@pytest.mark.slow
 def test_worker_processes_load_the_plugin_and_give_the_same_bits(tiny_config):
     def make(name, workers):
         return with_plugin(
@@ -121,6 +122,7 @@ def test_worker_processes_load_the_plugin_and_give_the_same_bits(tiny_config):
     assert records(here.run_dir) == records(there.run_dir)
 
 
+@pytest.mark.slow
 def test_cli_run_then_resume_after_the_plugin_file_moved(tmp_path):
     """The saved config names the plug-in; a moved one stops the resume with one line (checked in a process of its
     own, as a user sees it) that --plugin on resume fixes."""

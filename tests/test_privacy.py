@@ -45,6 +45,7 @@ def test_the_library_is_within_abadi_et_als_moments_accountant_example():
     assert 0.9 < acc.get_epsilon(1e-5) <= 1.26
 
 
+@pytest.mark.slow
 def test_target_epsilon_gives_the_smallest_noise_that_reaches_it_and_refuses_the_unreachable():
     z = dp.noise_for_epsilon(8.0, 200, 100, 4, 1e-5)  # the end-to-end run's setting: its cached search is reused
     assert dp.epsilon(z, 200, 100, 4, 1e-5) <= 8.0 < dp.epsilon(z * 0.98, 200, 100, 4, 1e-5)
@@ -52,6 +53,7 @@ def test_target_epsilon_gives_the_smallest_noise_that_reaches_it_and_refuses_the
         dp.noise_for_epsilon(0.01, 100, 10, 30, 1e-5)
 
 
+@pytest.mark.slow
 def test_an_unreachable_target_epsilon_gets_advice_that_fits_the_run():
     """One round cannot be made fewer; fewer rounds are advised only where they would reach the target."""
     with pytest.raises(ConfigError) as one_round:

@@ -245,6 +245,7 @@ def with_mlflow():
         )
 
 
+@pytest.mark.slow
 def test_mlflow_reads_the_run_back_from_fedhets_default_store_without_extra_environment(
     with_mlflow, tiny_config, tmp_path, monkeypatch
 ):

@@ -319,6 +319,7 @@ def test_leftover_temporary_checkpoint_files_are_removed_on_resume(tiny_config):
     assert not list(sim.run_dir.glob(".*.tmp"))
 
 
+@pytest.mark.slow
 def test_a_failed_run_exits_1_with_one_line_and_no_traceback(tmp_path):
     args = ["run", "-d", "digits", "-m", "mlp", "-n", "4", "-r", "3", "-o", str(tmp_path), "-s", "run.progress=false"]
     args += ["-s", "partition.min_size=20", "-s", "train.lr=1e10", "-s", "run.max_empty_rounds=1"]
@@ -429,6 +430,7 @@ def test_personalised_method_without_local_test_splits_says_so(tiny_config, caps
     assert "partition.local_test_fraction" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_printed_errors_keep_their_brackets():
     """Rich read '[train]' in 'valid keys in [train]' as markup and printed 'valid keys in :'."""
     proc = subprocess.run(

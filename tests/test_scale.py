@@ -39,6 +39,7 @@ def test_personalised_accuracy_is_measured_on_a_seeded_sample_of_large_federatio
         assert sim.personal_sample(2, list(range(6))) == sim.personal_sample(2, list(range(6)))  # seeded
 
 
+@pytest.mark.slow
 def test_ten_thousand_clients_need_memory_for_the_participants_only(tiny_config):
     """SCAFFOLD on Fashion-MNIST split into 10,000 clients, 20 per round, client state on disk: a short smoke run
     (the timed 20-round run with 100 per round is in benchmarks/throughput.py)."""

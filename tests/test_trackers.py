@@ -176,6 +176,7 @@ def leveldb_log(data, block=32768):
             yield pending + chunk
 
 
+@pytest.mark.slow
 def test_the_three_trackers_receive_config_metrics_and_summary_and_change_no_number(tracked, tiny_config):
     plain = Simulation(tiny_config())
     plain.run()

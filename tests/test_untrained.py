@@ -23,6 +23,7 @@ def summary_of(sim: Simulation) -> dict:
 
 
 # ------------------------------------------------------------------ runs that did not train
+@pytest.mark.slow
 def test_a_run_shorter_than_the_empty_limit_whose_every_round_is_empty_fails(tmp_path):
     """The issue's command: two rounds, every client dropped, max_empty_rounds (3) never reached."""
     args = ["run", "-d", "digits", "-m", "mlp", "-p", "iid", "-n", "4", "-r", "2", "-o", str(tmp_path)]

@@ -99,6 +99,7 @@ def installed(tmp_path_factory) -> dict[str, Path]:
     return {"bin": venv / "bin", "env": env, "empty": empty}
 
 
+@pytest.mark.slow
 def test_the_installed_package_reports_its_version_and_lists(installed):
     fedhet_cmd, run = installed["bin"] / "fedhet", {"cwd": installed["empty"], "env": installed["env"]}
     assert call(fedhet_cmd, "--version", **run).strip() == f"fedhet {fedhet.__version__}"  # no checkout: no commit
@@ -110,6 +111,7 @@ def test_the_installed_package_reports_its_version_and_lists(installed):
     assert not any(installed["empty"].iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not FMNIST.is_dir(), reason="apt-get install dataset-fashion-mnist")
 def test_the_installed_package_runs_the_demo_from_an_empty_folder(installed):
     """The README's demo, shrunk to one method and one round; the rest of its setting as shipped."""

@@ -113,6 +113,7 @@ def checkpointed(out: Path) -> bool:
     return any(out.glob("*/checkpoints/last.pt"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["workers importing", "workers training"])
 @pytest.mark.parametrize("command", ["run", "compare"])
 def test_ctrl_c_is_one_line_and_exit_130_and_leaves_nothing(tmp_path, command, when):
@@ -131,6 +132,7 @@ def test_ctrl_c_is_one_line_and_exit_130_and_leaves_nothing(tmp_path, command, w
     assert list((tmp_path / "tmp").iterdir()) == []  # nothing outside the run folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["run", "compare"])
 def test_kill_9_of_the_parent_ends_its_workers_and_leaves_nothing(tmp_path, command):
     out = tmp_path / "out"
@@ -168,6 +170,7 @@ print(fedhet.run(setting, out="runs").summary["status"])
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_workers_stop_at_exit_is_one_line_and_exit_130(tmp_path):
     """Python would print "Exception ignored in atexit callback" with a traceback, and exit 0."""
     proc = start(["-c", SHUTDOWN], tmp_path)

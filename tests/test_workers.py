@@ -40,6 +40,7 @@ def test_shared_clients_are_views_of_one_copy(tiny_config):
         assert theirs.x.untyped_storage().data_ptr() == shared.x.untyped_storage().data_ptr()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ALGORITHMS.names())
 def test_workers_give_the_same_bits_as_in_process_clients(tiny_config, algorithm):
     local = Simulation(config(tiny_config, algorithm, "local"))
@@ -56,6 +57,7 @@ def test_workers_give_the_same_bits_as_in_process_clients(tiny_config, algorithm
             torch.testing.assert_close(state[key], other[key], rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", ["disk", "memory"])
 def test_three_workers_resume_bit_exact_with_client_state(tiny_config, kill_and_resume, store):
     make = lambda name: config(  # noqa: E731
@@ -72,6 +74,7 @@ def reset_by_peer() -> None:
     raise ConnectionResetError(104, "Connection reset by peer")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("reads_as", ["eof", "reset"])
 def test_a_dead_worker_is_a_failed_client_and_is_replaced(tiny_config, monkeypatch, reads_as):
     """A dead worker's pipe reads as EOF, or, when it died with bytes unread in its socket (CI saw it under load),
@@ -98,6 +101,7 @@ def test_a_dead_worker_is_a_failed_client_and_is_replaced(tiny_config, monkeypat
     assert all(p.is_alive() for p in sim.executor.pool.procs) and sim.executor.pool.procs[0].pid != killed[0]
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_every_worker_and_the_run_resumes_bit_exact(tiny_config, monkeypatch):
     make = lambda name: config(tiny_config, "scaffold", name, workers=2, rounds=3)  # noqa: E731
     reference = Simulation(make("reference"))
@@ -143,6 +147,7 @@ def test_too_little_shared_memory_trains_in_process_with_a_warning(tiny_config, 
     assert "/dev/shm has 0 MB free: clients train here" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["fedrod", "fednh", "fedper", "fedbabu"])
 def test_lazily_built_layouts_leave_dropout_streams_alone(tiny_config, algorithm):
     """With dropout (the global random stream), workers equal in-process clients for the algorithms that build a
