@@ -15,7 +15,7 @@ from typing import Any
 from filelock import FileLock
 
 from fedhet import plugins
-from fedhet.config import Config
+from fedhet.config import Config, read_saved_config
 from fedhet.engine.checkpoint import CheckpointError, Loaded, load_latest, remove_temporaries
 from fedhet.engine.rundir import (
     check_removable,
@@ -67,6 +67,8 @@ class RunFolder:
         check_run_flags(resume, overwrite)
         make_out_dir(Path(self.cfg.run.out_dir))
         existed = self.path.is_dir()
+        # before the lock file goes in: a folder whose config.json is not a fedhet run's is left as it was
+        saved = self.saved_config() if resume and existed else None
         if overwrite and self.path.exists():
             check_removable(self.path)  # before the lock file goes into a folder that is not ours
         self.lock = lock_run_dir(self.path)  # released by unlock(), or by the OS when this process ends
@@ -81,7 +83,7 @@ class RunFolder:
                     truncate_after(self.path / log, loaded.state["round"])
                 write_json_atomic(self.path / "config.json", self.resolved)  # e.g. run.rounds raised to extend it
                 return loaded
-            self.check_nothing_lost()
+            self.check_nothing_lost(saved)
             for log in LOGS:  # crashed before its first checkpoint: start over
                 truncate_after(self.path / log, 0)
         elif holds_run(self.path):
@@ -170,11 +172,18 @@ class RunFolder:
         self.warn(f"{path} {why}: rebuilt from the checkpoint's {len(want)} record(s) up to round {done}")
         write_text_atomic(path, saved)
 
-    def check_nothing_lost(self) -> None:
-        """Refuse to start over a run whose checkpoints are gone although it trained past the first one."""
-        records = read_metrics(self.path / "metrics.jsonl")
+    def saved_config(self) -> dict[str, Any] | None:
+        """The folder's config.json (``read_saved_config`` refuses one that is not a fedhet run's), or None."""
         saved = self.path / "config.json"
-        every = read_json(saved)["run"]["checkpoint_every"] if saved.exists() else self.cfg.run.checkpoint_every
+        return read_saved_config(saved) if saved.exists() else None
+
+    def check_nothing_lost(self, saved: dict[str, Any] | None) -> None:
+        """Refuse to start over a run whose checkpoints are gone although it trained past the first one (``saved``:
+        the folder's config.json, whose checkpoint interval the run used)."""
+        records = read_metrics(self.path / "metrics.jsonl")
+        every = saved["run"].get("checkpoint_every") if saved else None
+        if not isinstance(every, int) or isinstance(every, bool):
+            every = self.cfg.run.checkpoint_every
         last = max((r["round"] for r in records), default=0)
         if last > every:
             raise CheckpointError(
