@@ -60,3 +60,56 @@ def test_resume_into_a_folder_with_a_foreign_config_json_is_one_line_and_writes_
     code, err = fedhet(monkeypatch, capsys, "resume", out / "x")  # the same check, the same words
     assert code == 2 and one_line(err).endswith("config.json: not a fedhet run config"), err
     assert snapshot(folder) == before
+
+
+# ---------------------------------------------------------------------------------------------- usage errors
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["run", "--threads", "0"], "invalid value for '--threads': 0 is not in the range x>=1."),
+        (["run", "-r", "ten"], "invalid value for '--rounds' / '-r': 'ten' is not a valid integer."),
+        (["run", "--resum"], "no such option '--resum'. (Did you mean one of: '--resume', '--threads'?)"),
+        (["resume", "somewhere", "--threads", "0"], "invalid value for '--threads': 0 is not in the range x>=1."),
+        (["list", "--markdwn"], "no such option '--markdwn'. Did you mean '--markdown'?"),
+        (["report"], "missing argument 'RUNS...'."),
+    ],
+)
+def test_a_usage_error_is_one_error_line(monkeypatch, capsys, args, says):
+    code, err = fedhet(monkeypatch, capsys, *args)
+    line = one_line(err)
+    assert code == 2 and says in line, line
+    assert line.endswith(f"Try 'fedhet {args[0]} --help' for help."), line
+
+
+def test_an_option_without_its_value_is_one_error_line(monkeypatch, capsys):
+    code, err = fedhet(monkeypatch, capsys, "run", "-r")
+    assert code == 2 and one_line(err) == "error: option '-r' requires an argument.", err
+
+
+@pytest.mark.parametrize("args, command", [(["rn"], "fedhet"), (["flower", "simulat"], "fedhet flower")])
+def test_an_unknown_command_is_one_line_with_its_suggestion_once(monkeypatch, capsys, args, command):
+    code, err = fedhet(monkeypatch, capsys, *args)
+    line = one_line(err)
+    name = {"fedhet": "run", "fedhet flower": "simulate"}[command]
+    assert code == 2 and line.count(f"Did you mean {name!r}?") == 1, line
+    assert line.startswith(f"error: no such command {args[-1]!r}.") and line.endswith(f"'{command} --help' for help.")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["--version"]])
+def test_help_and_version_still_exit_0(monkeypatch, capsys, args):
+    monkeypatch.setattr(sys, "argv", ["fedhet", *args])
+    try:
+        main()
+        code = 0
+    except SystemExit as info:
+        code = info.code or 0
+    out = capsys.readouterr()
+    assert code == 0 and out.out.strip() and not out.err, out
+
+
+def test_no_command_still_prints_the_help(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["fedhet"])
+    with pytest.raises(SystemExit) as info:
+        main()
+    out = capsys.readouterr()
+    assert info.value.code == 2 and "Commands" in out.out and "error" not in out.err, out

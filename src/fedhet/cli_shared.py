@@ -8,6 +8,7 @@ command that runs a config takes the same shortcuts: ``-c -s -a -d -p -m -n -r -
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import warnings
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -153,6 +155,17 @@ def set_threads(threads: int | None) -> None:
         import torch
 
         torch.set_num_threads(threads)
+
+
+def usage_error_line(err: click.ClickException) -> str:
+    """A click error (an unknown option or command, a value of the wrong type) as fedhet's one ``error:`` line: click's
+    message, each sentence once (click and typer both add "Did you mean" to an unknown command), then where the
+    valid choices are listed."""
+    sentences = re.split(r"(?<=[.?!])\s+", " ".join(err.format_message().split()))
+    text = " ".join(dict.fromkeys(sentences))
+    ctx = getattr(err, "ctx", None)
+    where = f" Try '{ctx.command_path} --help' for help." if ctx is not None else ""
+    return f"[red]error:[/] {escape(text[:1].lower() + text[1:] + where)}"
 
 
 @contextmanager
