@@ -113,3 +113,34 @@ def test_no_command_still_prints_the_help(monkeypatch, capsys):
         main()
     out = capsys.readouterr()
     assert info.value.code == 2 and "Commands" in out.out and "error" not in out.err, out
+
+
+# ----------------------------------------------------------------------------------------- plug-ins that exit on import
+@pytest.mark.parametrize(
+    "source, code, prefix, says",
+    [
+        ("import sys\nsys.exit(3)\n", 2, "error: ", "failed to load: it called sys.exit(3)"),
+        ("raise SystemExit\n", 2, "error: ", "failed to load: it called sys.exit(None)"),
+        ("raise KeyboardInterrupt\n", 130, "interrupted: ", "was interrupted while it loaded"),
+    ],
+)
+@pytest.mark.parametrize("command", ["run", "list"])
+def test_a_plugin_that_exits_or_is_interrupted_on_import_is_one_line_naming_it(
+    tmp_path, monkeypatch, capsys, source, code, prefix, says, command
+):
+    plugin = tmp_path / "abrupt.py"
+    plugin.write_text(source)
+    args = [*TINY, "-o", tmp_path / "runs"] if command == "run" else []
+    got, err = fedhet(monkeypatch, capsys, command, *args, "--plugin", plugin)
+    line = one_line(err, prefix)
+    assert got == code and f"plug-in file {str(plugin)!r} " in line and says in line, line
+    assert "abrupt" not in sys.modules  # a later attempt imports it afresh
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_plugin_module_that_exits_on_import_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    (tmp_path / "abrupt_module.py").write_text("import sys\nsys.exit('bye')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    got, err = fedhet(monkeypatch, capsys, "list", "--plugin", "abrupt_module")
+    line = one_line(err)
+    assert got == 2 and line == "error: plug-in module 'abrupt_module' failed to load: it called sys.exit('bye')", line
