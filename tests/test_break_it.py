@@ -144,3 +144,28 @@ def test_a_plugin_module_that_exits_on_import_is_one_line_naming_it(tmp_path, mo
     got, err = fedhet(monkeypatch, capsys, "list", "--plugin", "abrupt_module")
     line = one_line(err)
     assert got == 2 and line == "error: plug-in module 'abrupt_module' failed to load: it called sys.exit('bye')", line
+
+
+# ---------------------------------------------------------------------------------------------- where a cell runs
+def test_a_cell_records_the_same_run_workers_in_a_worker_process_and_in_this_one(tmp_path):
+    """With jobs=2, two cells run in worker processes; a lone cell left to run (here: a comparison of one) runs in
+    this process. Both train their clients where the cell runs, and their folders say so alike."""
+    import json
+
+    import fedhet
+
+    setting = {
+        "dataset": {"name": "digits"},
+        "model": {"name": "mlp", "hidden": [16]},
+        "partition": {"num_clients": 3, "min_size": 20},
+        "run": {"rounds": 1, "progress": False, "workers": 0},
+    }
+    pool = fedhet.compare(setting, variants=["fedavg", "fedprox"], out=str(tmp_path / "pool"), jobs=2)
+    here = fedhet.compare(setting, variants=["fedavg"], out=str(tmp_path / "here"), jobs=2)
+
+    def record(result) -> tuple:
+        run = json.loads((result.run_dir / "config.json").read_text())["run"]
+        workers = json.loads((result.run_dir / "provenance.json").read_text())["workers"]
+        return run["workers"], workers, result.summary["final"]["test_acc"]
+
+    assert record(pool[0]) == record(here[0]) == (1, 1, pool[0].summary["final"]["test_acc"])
