@@ -6,6 +6,7 @@ left behind by a killed Flower simulation. The commands run in this process thro
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -169,3 +170,24 @@ def test_a_cell_records_the_same_run_workers_in_a_worker_process_and_in_this_one
         return run["workers"], workers, result.summary["final"]["test_acc"]
 
     assert record(pool[0]) == record(here[0]) == (1, 1, pool[0].summary["final"]["test_acc"])
+
+
+# ---------------------------------------------------------------------------------------------- a torn metrics line
+@pytest.mark.parametrize("how", ["run --resume", "resume"])
+def test_a_torn_metrics_line_at_resume_is_one_warning_line_printed_once(tmp_path, monkeypatch, capsys, how):
+    import warnings
+
+    out = tmp_path / "runs"
+    args = [*TINY, "-o", out, "--name", "torn"]
+    assert fedhet(monkeypatch, capsys, "run", *args)[0] == 0
+    metrics = out / "torn" / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write('{"round": 2, "test_a')  # killed mid-write
+    command = ["run", *args, "-r", "2", "--resume"] if how == "run --resume" else ["resume", out / "torn", "-r", "2"]
+    with warnings.catch_warnings(record=True) as raw:
+        warnings.simplefilter("always")
+        code, err = fedhet(monkeypatch, capsys, *command)
+    assert code == 0 and not [str(w.message) for w in raw], err  # no Python warning (file, line and code shown)
+    torn = [line for line in err.splitlines() if "torn" in line]
+    assert torn == [f"warning: {metrics}: skipping a torn last line (a crash mid-write?)"], err
+    assert [json.loads(line)["round"] for line in metrics.read_text().splitlines()] == [1, 2]
