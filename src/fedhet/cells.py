@@ -223,15 +223,25 @@ def run_cells(
         if skipped:
             names = ", ".join(list(skipped)[:6]) + (", ..." if len(skipped) > 6 else "")
             display.note(f"{len(skipped)} of {len(cells)} cells had finished before: skipped ({names})")
+        raws = {c.name: cell_raw(c, jobs) for c in todo}
         if min(jobs, len(todo)) <= 1:
-            results = _run_here(todo, threads, overwrite, display)
+            results = _run_here(todo, raws, threads, overwrite, display)
         else:
-            results = _run_in_workers(todo, min(jobs, len(todo)), threads, overwrite, display)
+            results = _run_in_workers(todo, raws, min(jobs, len(todo)), threads, overwrite, display)
     by_name = {**skipped, **{r.name: r for r in results}}
     return [by_name[c.name] for c in cells]
 
 
 # ---------------------------------------------------------------------------------------------- one cell
+def cell_raw(cell: Cell, jobs: int) -> dict[str, Any]:
+    """The config a cell runs with. With ``jobs`` above 1 the cells are the parallel unit: their clients train in the
+    process that runs the cell (``run.workers = 1``; a worker process may not start processes of its own), with one
+    thread count, so a cell trains and records the same whether a worker or this process runs it (a lone cell left
+    to run does not start worker processes)."""
+    raw = cell.config.to_dict()
+    if jobs > 1:
+        raw["run"]["workers"] = 1
+    return raw
 
 
 class _DataCache:
@@ -314,7 +324,9 @@ def _run_cell(name: str, raw: dict[str, Any], overwrite: bool, data: _DataCache,
     return CellResult(name, run_dir, summary["status"], summary["rounds_done"], summary.get("final", {}))
 
 
-def _run_here(todo: list[Cell], threads: int, overwrite: bool, display: _Display) -> list[CellResult]:
+def _run_here(
+    todo: list[Cell], raws: dict[str, dict[str, Any]], threads: int, overwrite: bool, display: _Display
+) -> list[CellResult]:
     import torch
 
     before = torch.get_num_threads()
@@ -323,7 +335,7 @@ def _run_here(todo: list[Cell], threads: int, overwrite: bool, display: _Display
     results = []
     try:
         for cell in todo:
-            result = _run_cell(cell.name, cell.config.to_dict(), overwrite, data, display.handle)
+            result = _run_cell(cell.name, raws[cell.name], overwrite, data, display.handle)
             display.handle(("result", result))
             results.append(result)
     finally:
@@ -353,10 +365,7 @@ def _worker(conn: Any, threads: int) -> None:
             with lock:
                 conn.send(event)
 
-        for name, raw, overwrite in iter(conn.recv, None):
-            # cells are the parallel unit here: their clients train in this process (it may not start processes of
-            # its own), with one thread per client as worker processes would, so the bits are the same either way
-            raw = {**raw, "run": {**raw["run"], "workers": 1}}
+        for name, raw, overwrite in iter(conn.recv, None):  # raw: cell_raw's, run.workers = 1
             send(("result", _run_cell(name, raw, overwrite, data, send)))
     except BaseException:
         if parent_gone():  # talking to a parent that was killed: nothing to report, no traceback
@@ -375,7 +384,7 @@ class _Slot:
 
 
 def _run_in_workers(
-    todo: list[Cell], workers: int, threads: int, overwrite: bool, display: _Display
+    todo: list[Cell], raws: dict[str, dict[str, Any]], workers: int, threads: int, overwrite: bool, display: _Display
 ) -> list[CellResult]:
     """Each worker gets one cell at a time through its own pipe, the next when it reports a result; a worker that
     dies fails its cell only, and a new one takes the cells still to run. Pipes, not queues: no named semaphore to
@@ -400,7 +409,7 @@ def _run_in_workers(
         cell = pending.pop(0) if pending else None
         slot.cell, slot.waiting = (None if cell is None else cell.name), False
         with suppress(OSError):  # it died: its sentinel says so
-            slot.conn.send(None if cell is None else (cell.name, cell.config.to_dict(), overwrite))
+            slot.conn.send(None if cell is None else (cell.name, raws[cell.name], overwrite))
 
     def handle(slot: _Slot, event: Event) -> None:
         if event[0] == "result":

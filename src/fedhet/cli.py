@@ -8,6 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated
 
+import click
 import typer
 from rich.markup import escape
 from rich.table import Table
@@ -39,6 +40,7 @@ from fedhet.cli_shared import (
     print_final,
     set_threads,
     shortcuts,
+    usage_error_line,
 )
 from fedhet.errors import ConfigError, FedhetError, Interrupted, RunFailed
 from fedhet.flower.cli import flower_app
@@ -484,9 +486,19 @@ def _fit_text(kind: str, name: str) -> str:
     return fit.default_model(name)
 
 
+# click >= 8.2 raises this usage error after `fedhet` alone printed the help; older click exits by itself
+NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 def main() -> None:
     try:
-        app()
+        # not standalone: click's usage errors come here, to be printed as one line like fedhet's own
+        code = app(prog_name="fedhet", standalone_mode=False)
+    except NO_ARGS_IS_HELP:  # `fedhet` alone: typer has printed the help
+        sys.exit(2)
+    except click.ClickException as err:
+        err_console.print(usage_error_line(err), soft_wrap=True, highlight=False)
+        sys.exit(err.exit_code)
     except Interrupted as err:
         err_console.print(f"[yellow]interrupted[/]: {escape(str(err))}", soft_wrap=True, highlight=False)
         sys.exit(130)
@@ -500,6 +512,7 @@ def main() -> None:
     except KeyboardInterrupt:
         err_console.print("[yellow]interrupted[/]: the last checkpoint is kept; continue with --resume")
         sys.exit(130)
+    sys.exit(code or 0)  # --help, --version: 0; Ctrl-C outside training: typer's 130
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 import sys
 import warnings
 from collections.abc import Iterator
@@ -167,6 +168,17 @@ def set_threads(threads: int | None) -> None:
 
 # Ctrl-C before a run starts: building the config loads plug-ins and checks datasets and folders (seconds)
 BUILDING_CONFIG = "while the config was being built, before anything trained; run the command again"
+
+
+def usage_error_line(err: click.ClickException) -> str:
+    """A click error (an unknown option or command, a value of the wrong type) as fedhet's one ``error:`` line: click's
+    message, each sentence once (typer's own "Did you mean" is off where click has one, SUGGEST_COMMANDS; this keeps
+    a repeated sentence from showing twice whatever version adds it), then where the valid choices are listed."""
+    sentences = re.split(r"(?<=[.?!])\s+", " ".join(err.format_message().split()))
+    text = " ".join(dict.fromkeys(sentences))
+    ctx = getattr(err, "ctx", None)
+    where = f" Try '{ctx.command_path} --help' for help." if ctx is not None else ""
+    return f"[red]error:[/] {escape(text[:1].lower() + text[1:] + where)}"
 
 
 @contextmanager

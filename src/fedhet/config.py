@@ -629,6 +629,19 @@ def load_config(
     return build_config(raw, runs_here=runs_here)
 
 
+def read_saved_config(saved: Path) -> dict[str, Any]:
+    """A run folder's ``config.json`` as the run saved it: a JSON object whose ``run`` is an object. Anything else (a
+    config.json of some other program in the folder) is one ConfigError naming the file, raised by ``fedhet resume``
+    and ``--resume`` alike before either touches the folder."""
+    try:
+        raw = json.loads(saved.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{saved}: unreadable ({err})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("run"), dict):
+        raise ConfigError(f"{saved}: not a fedhet run config")
+    return raw
+
+
 def saved_run_config(run_dir: str | Path, overrides: list[str] | None = None) -> Config:
     """The config a run folder was started with, placed where the folder is now (it may have been moved)."""
     from fedhet.paths import check_folder
@@ -637,12 +650,7 @@ def saved_run_config(run_dir: str | Path, overrides: list[str] | None = None) ->
     saved = folder / "config.json"
     if not saved.is_file():
         raise ConfigError(f"{str(folder)!r} is not a run folder: it has no config.json")
-    try:
-        raw = json.loads(saved.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ConfigError(f"{saved}: unreadable ({err})") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("run"), dict):
-        raise ConfigError(f"{saved}: not a fedhet run config")
+    raw = read_saved_config(saved)
     raw["run"].update(out_dir=str(folder.resolve().parent), name=folder.resolve().name)
     for item in overrides or []:
         apply_override(raw, item)

@@ -21,12 +21,13 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from fedhet.errors import ConfigError
+from fedhet.errors import ConfigError, Interrupted
 
 GROUP = "fedhet.plugins"
 
@@ -81,11 +82,8 @@ def load_entry_points() -> None:
         key = f"entry-point:{ep.name}"
         if key in _loaded:
             continue
-        try:
+        with _loading(f"plug-in entry point {ep.name!r} ({ep.value}, group {GROUP})"):
             ep.load()
-        except Exception as err:  # a broken plug-in is named, not shown as a traceback from deep inside fedhet
-            where = f"plug-in entry point {ep.name!r} ({ep.value}, group {GROUP})"
-            raise ConfigError(f"{where} failed to load: {_why(err)}") from err
         _loaded[key] = ep.value
 
 
@@ -117,11 +115,12 @@ def _load_file(path: str) -> str:
     module = importlib.util.module_from_spec(spec)
     # in sys.modules under its file name, so pickle and dataclasses find the classes it defines
     sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        del sys.modules[name]
-        raise ConfigError(f"plug-in file {path!r} failed to load: {_why(err)}") from err
+    with _loading(f"plug-in file {path!r}"):
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]  # a later attempt imports it afresh
+            raise
     _sources[name] = file.read_bytes()
     return name
 
@@ -133,17 +132,34 @@ def _same_source(name: str, loaded: str | None, file: Path) -> bool:
 
 
 def _load_module(name: str) -> str:
-    try:
-        importlib.import_module(name)
-    except ModuleNotFoundError as err:
-        if err.name and name.startswith(err.name):
-            raise ConfigError(
-                f"plug-in module {name!r} (run.plugins) is not importable here; install its package, or pass a .py file"
-            ) from None
-        raise ConfigError(f"plug-in module {name!r} failed to load: {_why(err)}") from err
-    except Exception as err:
-        raise ConfigError(f"plug-in module {name!r} failed to load: {_why(err)}") from err
+    missing = False
+    with _loading(f"plug-in module {name!r}"):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            missing = bool(err.name and name.startswith(err.name))  # the module itself, not one it imports
+            if not missing:
+                raise
+    if missing:
+        raise ConfigError(
+            f"plug-in module {name!r} (run.plugins) is not importable here; install its package, or pass a .py file"
+        )
     return name
+
+
+@contextmanager
+def _loading(what: str) -> Iterator[None]:
+    """Importing the plug-in ``what``: whatever it raises is one line naming it, not a traceback from deep inside
+    fedhet; a ``sys.exit()`` in it would otherwise end fedhet silently with its status, and a KeyboardInterrupt with
+    no word of where it stopped."""
+    try:
+        yield
+    except Exception as err:
+        raise ConfigError(f"{what} failed to load: {_why(err)}") from err
+    except SystemExit as err:
+        raise ConfigError(f"{what} failed to load: it called sys.exit({err.code!r})") from None
+    except KeyboardInterrupt:
+        raise Interrupted(f"{what} was interrupted while it loaded; nothing ran") from None
 
 
 def _why(err: Exception) -> str:

@@ -16,7 +16,7 @@ from filelock import FileLock
 
 from fedhet import plugins
 from fedhet.components import plugins_in_use
-from fedhet.config import Config
+from fedhet.config import Config, read_saved_config
 from fedhet.engine.checkpoint import CheckpointError, Loaded, load_latest, remove_temporaries
 from fedhet.engine.rundir import (
     check_removable,
@@ -56,6 +56,7 @@ class RunFolder:
         self.metrics_log: MetricsLog | None = None
         self.failures_log: MetricsLog | None = None
         self.lock: FileLock | None = None
+        self._said: set[str] = set()  # warnings given: a torn log line is met by every read of the file
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -68,6 +69,8 @@ class RunFolder:
         check_run_flags(resume, overwrite)
         make_out_dir(Path(self.cfg.run.out_dir))
         existed = self.path.is_dir()
+        # before the lock file goes in: a folder whose config.json is not a fedhet run's is left as it was
+        saved = self.saved_config() if resume and existed else None
         if overwrite and self.path.exists():
             check_removable(self.path)  # before the lock file goes into a folder that is not ours
         self.lock = lock_run_dir(self.path)  # released by unlock(), or by the OS when this process ends
@@ -79,12 +82,12 @@ class RunFolder:
             if loaded is not None:
                 self.restore_metrics(loaded.state)
                 for log in LOGS[1:]:
-                    truncate_after(self.path / log, loaded.state["round"])
+                    truncate_after(self.path / log, loaded.state["round"], self.warn_once)
                 write_json_atomic(self.path / "config.json", self.resolved)  # e.g. run.rounds raised to extend it
                 return loaded
-            self.check_nothing_lost()
+            self.check_nothing_lost(saved)
             for log in LOGS:  # crashed before its first checkpoint: start over
-                truncate_after(self.path / log, 0)
+                truncate_after(self.path / log, 0, self.warn_once)
         elif holds_run(self.path):
             raise ConfigError(
                 f"run folder {str(self.path)!r} already holds a run; pass {self.flags['resume']} to continue "
@@ -93,6 +96,11 @@ class RunFolder:
         self.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.path / "config.json", self.resolved)
         return None
+
+    def warn_once(self, text: str) -> None:
+        if text not in self._said:
+            self._said.add(text)
+            self.warn(text)
 
     def unlock(self) -> None:
         """Let another process train this run folder (the end of a run, however it ended)."""
@@ -146,17 +154,17 @@ class RunFolder:
         round."""
         done, saved, path = state["round"], state.get("metrics_log"), self.path / "metrics.jsonl"
         try:
-            kept = [r for r in read_metrics(path) if r.get("round", 0) <= done]
+            kept = [r for r in read_metrics(path, self.warn_once) if r.get("round", 0) <= done]
         except CorruptFile:
             kept = None
         if saved is None:  # a checkpoint from before fedhet kept the records: trust the file, as then
-            truncate_after(path, done)
-            self.metrics_lines = [to_json(r) + "\n" for r in read_metrics(path)]
+            truncate_after(path, done, self.warn_once)
+            self.metrics_lines = [to_json(r) + "\n" for r in read_metrics(path, self.warn_once)]
             return
         self.metrics_lines = saved.splitlines(keepends=True)
         want = [json.loads(line) for line in self.metrics_lines]
         if kept == want:
-            truncate_after(path, done)
+            truncate_after(path, done, self.warn_once)
             return
         if not path.exists():
             why = "is missing"
@@ -169,11 +177,18 @@ class RunFolder:
         self.warn(f"{path} {why}: rebuilt from the checkpoint's {len(want)} record(s) up to round {done}")
         write_text_atomic(path, saved)
 
-    def check_nothing_lost(self) -> None:
-        """Refuse to start over a run whose checkpoints are gone although it trained past the first one."""
-        records = read_metrics(self.path / "metrics.jsonl")
+    def saved_config(self) -> dict[str, Any] | None:
+        """The folder's config.json (``read_saved_config`` refuses one that is not a fedhet run's), or None."""
         saved = self.path / "config.json"
-        every = read_json(saved)["run"]["checkpoint_every"] if saved.exists() else self.cfg.run.checkpoint_every
+        return read_saved_config(saved) if saved.exists() else None
+
+    def check_nothing_lost(self, saved: dict[str, Any] | None) -> None:
+        """Refuse to start over a run whose checkpoints are gone although it trained past the first one (``saved``:
+        the folder's config.json, whose checkpoint interval the run used)."""
+        records = read_metrics(self.path / "metrics.jsonl", self.warn_once)
+        every = saved["run"].get("checkpoint_every") if saved else None
+        if not isinstance(every, int) or isinstance(every, bool):
+            every = self.cfg.run.checkpoint_every
         last = max((r["round"] for r in records), default=0)
         if last > every:
             raise CheckpointError(
@@ -229,8 +244,8 @@ class RunFolder:
 
     # ------------------------------------------------------------------ while and after training
     def open_logs(self) -> None:
-        self.metrics_log = MetricsLog(self.path / "metrics.jsonl")
-        self.failures_log = MetricsLog(self.path / "failures.jsonl")
+        self.metrics_log = MetricsLog(self.path / "metrics.jsonl", self.warn_once)
+        self.failures_log = MetricsLog(self.path / "failures.jsonl", self.warn_once)
 
     def log_metrics(self, record: dict[str, Any]) -> None:
         self.metrics_lines.append(self.metrics_log.append(record))

@@ -13,21 +13,32 @@ import math
 import os
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fedhet.errors import CorruptFile
 
+# Where a torn line is reported: one line of text (a run's own warning line), else a Python warning
+Warn = Callable[[str], None] | None
+
+
+def _warn(text: str, warn: Warn) -> None:
+    if warn is None:
+        warnings.warn(text, stacklevel=3)
+    else:
+        warn(text)
+
 
 class MetricsLog:
     """Appends one JSON object per evaluation to a `metrics.jsonl` file."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, warn: Warn = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if _has_torn_tail(self.path):
-            warnings.warn(f"{self.path}: dropping a torn last line left by a crash", stacklevel=2)
-            _rewrite_lines(self.path, read_metrics(self.path))
+            _warn(f"{self.path}: dropping a torn last line left by a crash", warn)
+            _rewrite_lines(self.path, read_metrics(self.path, lambda _: None))  # said once, just above
 
     def append(self, record: dict) -> str:
         """Write ``record`` as one line; returns the line."""
@@ -48,8 +59,9 @@ class MetricsLog:
         return text
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    """All records of a metrics file ([] if it does not exist); a torn last line is skipped with a warning."""
+def read_metrics(path: str | Path, warn: Warn = None) -> list[dict]:
+    """All records of a metrics file ([] if it does not exist); a torn last line is skipped with a warning (``warn``,
+    else a Python warning)."""
     path = Path(path)
     if not path.exists():
         return []
@@ -63,16 +75,17 @@ def read_metrics(path: str | Path) -> list[dict]:
         except json.JSONDecodeError as exc:
             if number < len(lines):
                 raise CorruptFile(f"{path}:{number}: corrupt metrics record ({exc.msg})") from None
-            warnings.warn(f"{path}: skipping a torn last line (a crash mid-write?)", stacklevel=2)
+            _warn(f"{path}: skipping a torn last line (a crash mid-write?)", warn)
     return records
 
 
-def truncate_after(path: str | Path, round: int) -> int:
-    """Atomically keep only the records with `round <= round` (used on resume); returns how many were kept."""
+def truncate_after(path: str | Path, round: int, warn: Warn = None) -> int:
+    """Atomically keep only the records with `round <= round` (used on resume; a torn last line goes, with a
+    warning as ``read_metrics`` gives it); returns how many were kept."""
     path = Path(path)
     if not path.exists():
         return 0
-    kept = [r for r in read_metrics(path) if r["round"] <= round]
+    kept = [r for r in read_metrics(path, warn) if r["round"] <= round]
     _rewrite_lines(path, kept)
     return len(kept)
 

@@ -1,0 +1,193 @@
+"""Defects found by trying to break fedhet: a foreign config.json in a run folder, usage errors, plug-ins that exit
+or raise KeyboardInterrupt on import, where a comparison's cell runs, a torn metrics line at resume, and Ray helpers
+left behind by a killed Flower simulation. The commands run in this process through ``fedhet.cli.main``, as the
+``fedhet`` script does (argv in, message on stderr, exit status out), except where a process must be killed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedhet.cli import main
+
+TINY = ["-d", "digits", "-m", "mlp", "-n", "4", "-r", "1", "-s", "run.progress=false", "-s", "partition.min_size=20"]
+
+
+def fedhet(monkeypatch, capsys, *args) -> tuple[int, str]:
+    """(exit status, stderr) of ``fedhet ARGS``, run by the console script's ``main``."""
+    monkeypatch.setattr(sys, "argv", ["fedhet", *map(str, args)])
+    with pytest.raises(SystemExit) as info:
+        main()
+    return info.value.code, capsys.readouterr().err
+
+
+def one_line(err: str, prefix: str = "error: ") -> str:
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix), err
+    return lines[0]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (hidden ones too) with its bytes: what a refused command must leave as it was."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"<dir>" for p in folder.rglob("*")}
+
+
+# ---------------------------------------------------------------------------------------------- a foreign config.json
+@pytest.mark.parametrize("content", ['{"precious": true}', "[1, 2]", '{"run": null}'])
+@pytest.mark.parametrize("through_link", [False, True], ids=["folder", "link to an outside folder"])
+def test_resume_into_a_folder_with_a_foreign_config_json_is_one_line_and_writes_nothing(
+    tmp_path, monkeypatch, capsys, content, through_link
+):
+    out = tmp_path / "runs"
+    folder = tmp_path / "elsewhere" if through_link else out / "x"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(content)
+    (folder / "notes.txt").write_text("mine")
+    if through_link:
+        out.mkdir()
+        (out / "x").symlink_to(folder)
+    before = snapshot(folder)
+
+    code, err = fedhet(monkeypatch, capsys, "run", *TINY, "-o", out, "--name", "x", "--resume")
+    line = one_line(err)
+    assert code == 2 and line.endswith("config.json: not a fedhet run config"), line
+    assert snapshot(folder) == before  # no lock file, no truncated log, no config written
+
+    code, err = fedhet(monkeypatch, capsys, "resume", out / "x")  # the same check, the same words
+    assert code == 2 and one_line(err).endswith("config.json: not a fedhet run config"), err
+    assert snapshot(folder) == before
+
+
+# ---------------------------------------------------------------------------------------------- usage errors
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["run", "--threads", "0"], "invalid value for '--threads': 0 is not in the range x>=1."),
+        (["run", "-r", "ten"], "invalid value for '--rounds' / '-r': 'ten' is not a valid integer."),
+        (["run", "--resum"], "no such option '--resum'. (Did you mean one of: '--resume', '--threads'?)"),
+        (["resume", "somewhere", "--threads", "0"], "invalid value for '--threads': 0 is not in the range x>=1."),
+        (["list", "--markdwn"], "no such option '--markdwn'. Did you mean '--markdown'?"),
+        (["report"], "missing argument 'RUNS...'."),
+    ],
+)
+def test_a_usage_error_is_one_error_line(monkeypatch, capsys, args, says):
+    code, err = fedhet(monkeypatch, capsys, *args)
+    line = one_line(err)
+    assert code == 2 and says in line, line
+    assert line.endswith(f"Try 'fedhet {args[0]} --help' for help."), line
+
+
+def test_an_option_without_its_value_is_one_error_line(monkeypatch, capsys):
+    code, err = fedhet(monkeypatch, capsys, "run", "-r")
+    assert code == 2 and one_line(err) == "error: option '-r' requires an argument.", err
+
+
+@pytest.mark.parametrize("args, command", [(["rn"], "fedhet"), (["flower", "simulat"], "fedhet flower")])
+def test_an_unknown_command_is_one_line_with_its_suggestion_once(monkeypatch, capsys, args, command):
+    code, err = fedhet(monkeypatch, capsys, *args)
+    line = one_line(err)
+    name = {"fedhet": "run", "fedhet flower": "simulate"}[command]
+    assert code == 2 and line.count(f"Did you mean {name!r}?") == 1, line
+    assert line.startswith(f"error: no such command {args[-1]!r}.") and line.endswith(f"'{command} --help' for help.")
+
+
+@pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["--version"]])
+def test_help_and_version_still_exit_0(monkeypatch, capsys, args):
+    monkeypatch.setattr(sys, "argv", ["fedhet", *args])
+    try:
+        main()
+        code = 0
+    except SystemExit as info:
+        code = info.code or 0
+    out = capsys.readouterr()
+    assert code == 0 and out.out.strip() and not out.err, out
+
+
+def test_no_command_still_prints_the_help(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["fedhet"])
+    with pytest.raises(SystemExit) as info:
+        main()
+    out = capsys.readouterr()
+    assert info.value.code == 2 and "Commands" in out.out and "error" not in out.err, out
+
+
+# ----------------------------------------------------------------------------------------- plug-ins that exit on import
+@pytest.mark.parametrize(
+    "source, code, prefix, says",
+    [
+        ("import sys\nsys.exit(3)\n", 2, "error: ", "failed to load: it called sys.exit(3)"),
+        ("raise SystemExit\n", 2, "error: ", "failed to load: it called sys.exit(None)"),
+        ("raise KeyboardInterrupt\n", 130, "interrupted: ", "was interrupted while it loaded"),
+    ],
+)
+@pytest.mark.parametrize("command", ["run", "list"])
+def test_a_plugin_that_exits_or_is_interrupted_on_import_is_one_line_naming_it(
+    tmp_path, monkeypatch, capsys, source, code, prefix, says, command
+):
+    plugin = tmp_path / "abrupt.py"
+    plugin.write_text(source)
+    args = [*TINY, "-o", tmp_path / "runs"] if command == "run" else []
+    got, err = fedhet(monkeypatch, capsys, command, *args, "--plugin", plugin)
+    line = one_line(err, prefix)
+    assert got == code and f"plug-in file {str(plugin)!r} " in line and says in line, line
+    assert "abrupt" not in sys.modules  # a later attempt imports it afresh
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_plugin_module_that_exits_on_import_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    (tmp_path / "abrupt_module.py").write_text("import sys\nsys.exit('bye')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    got, err = fedhet(monkeypatch, capsys, "list", "--plugin", "abrupt_module")
+    line = one_line(err)
+    assert got == 2 and line == "error: plug-in module 'abrupt_module' failed to load: it called sys.exit('bye')", line
+
+
+# ---------------------------------------------------------------------------------------------- where a cell runs
+def test_a_cell_records_the_same_run_workers_in_a_worker_process_and_in_this_one(tmp_path):
+    """With jobs=2, two cells run in worker processes; a lone cell left to run (here: a comparison of one) runs in
+    this process. Both train their clients where the cell runs, and their folders say so alike."""
+    import json
+
+    import fedhet
+
+    setting = {
+        "dataset": {"name": "digits"},
+        "model": {"name": "mlp", "hidden": [16]},
+        "partition": {"num_clients": 3, "min_size": 20},
+        "run": {"rounds": 1, "progress": False, "workers": 0},
+    }
+    pool = fedhet.compare(setting, variants=["fedavg", "fedprox"], out=str(tmp_path / "pool"), jobs=2)
+    here = fedhet.compare(setting, variants=["fedavg"], out=str(tmp_path / "here"), jobs=2)
+
+    def record(result) -> tuple:
+        run = json.loads((result.run_dir / "config.json").read_text())["run"]
+        workers = json.loads((result.run_dir / "provenance.json").read_text())["workers"]
+        return run["workers"], workers, result.summary["final"]["test_acc"]
+
+    assert record(pool[0]) == record(here[0]) == (1, 1, pool[0].summary["final"]["test_acc"])
+
+
+# ---------------------------------------------------------------------------------------------- a torn metrics line
+@pytest.mark.parametrize("how", ["run --resume", "resume"])
+def test_a_torn_metrics_line_at_resume_is_one_warning_line_printed_once(tmp_path, monkeypatch, capsys, how):
+    import warnings
+
+    out = tmp_path / "runs"
+    args = [*TINY, "-o", out, "--name", "torn"]
+    assert fedhet(monkeypatch, capsys, "run", *args)[0] == 0
+    metrics = out / "torn" / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write('{"round": 2, "test_a')  # killed mid-write
+    command = ["run", *args, "-r", "2", "--resume"] if how == "run --resume" else ["resume", out / "torn", "-r", "2"]
+    with warnings.catch_warnings(record=True) as raw:
+        warnings.simplefilter("always")
+        code, err = fedhet(monkeypatch, capsys, *command)
+    assert code == 0 and not [str(w.message) for w in raw], err  # no Python warning (file, line and code shown)
+    torn = [line for line in err.splitlines() if "torn" in line]
+    assert torn == [f"warning: {metrics}: skipping a torn last line (a crash mid-write?)"], err
+    assert [json.loads(line)["round"] for line in metrics.read_text().splitlines()] == [1, 2]
