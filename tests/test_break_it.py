@@ -191,3 +191,52 @@ def test_a_torn_metrics_line_at_resume_is_one_warning_line_printed_once(tmp_path
     torn = [line for line in err.splitlines() if "torn" in line]
     assert torn == [f"warning: {metrics}: skipping a torn last line (a crash mid-write?)"], err
     assert [json.loads(line)["round"] for line in metrics.read_text().splitlines()] == [1, 2]
+
+
+# ---------------------------------------------------------------------------------------------- a killed simulation
+@pytest.mark.slow  # Ray start-up: about 30 s on two cores
+def test_ray_helpers_end_with_a_flower_simulation_killed_outright(tmp_path):
+    """kill -9 of ``fedhet flower simulate`` once it trains: no process that was running under it survives it (Ray's
+    DashboardAgent and RuntimeEnvAgent did, reparented to init). Only the processes recorded under the killed one
+    are looked at, and only they are killed should the test fail."""
+    import os
+    import subprocess
+    import time
+    from contextlib import suppress
+
+    pytest.importorskip("ray")
+    pytest.importorskip("flwr")
+    psutil = pytest.importorskip("psutil")
+    out = tmp_path / "runs"
+    args = ["flower", "simulate", *TINY, "-r", "500", "-o", out, "--name", "killed", "--num-cpus", "2"]
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "fedhet.cli", *map(str, args)], env=env, stderr=subprocess.PIPE)
+    metrics, deadline = out / "killed" / "metrics.jsonl", time.monotonic() + 240
+    try:
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # two rounds: every helper is up
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-3000:]
+            time.sleep(0.2)
+        under = psutil.Process(proc.pid).children(recursive=True)
+        started = " ".join(" ".join(p.cmdline()) for p in under)
+        assert "raylet" in started and "DashboardAgent" in started and "RuntimeEnvAgent" in started, started
+    finally:
+        proc.kill()  # SIGKILL: nothing in it runs any more
+        proc.wait()
+
+    def survivors() -> list:
+        alive = []
+        for p in under:
+            with suppress(psutil.NoSuchProcess):
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+        return alive
+
+    deadline = time.monotonic() + 20  # the watcher's SIGTERM, then SIGKILL after a grace of 3 s
+    while survivors() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = survivors()
+    for p in left:  # only what the killed run started, so a failed test leaves nothing behind
+        with suppress(psutil.NoSuchProcess):
+            p.kill()
+    left = [(p.pid, p.name()) for p in left]
+    assert not left, left

@@ -13,6 +13,7 @@ from typing import Any
 
 from fedhet.config import Config
 from fedhet.flower.app import RunOptions, make_client_app, make_server_app
+from fedhet.flower.reaper import reaped_on_death
 from fedhet.naming import run_dir as run_dir_of
 from fedhet.results.store import read_json
 
@@ -38,7 +39,8 @@ def run_ray_simulation(
     from flwr.simulation import run_simulation
 
     options = options or RunOptions()
-    init_args: dict[str, Any] = {"num_cpus": num_cpus} if num_cpus else {}
+    # no dashboard: fedhet never shows it, and it is one more web server on this machine
+    init_args: dict[str, Any] = {"include_dashboard": False, **({"num_cpus": num_cpus} if num_cpus else {})}
     if not verbose:
         # The actors' own log lines (Flower's "Manually terminating ClientAppActor" as the pool shuts down, at a
         # moment that races the driver's exit) would reach this console; a ClientApp that fails still raises here.
@@ -46,7 +48,7 @@ def run_ray_simulation(
     run_dir = run_dir_of(cfg)
     # absolute: Ray's workers need not share this process's working directory
     root = str(Path(node_state_dir or run_dir / "node_state").expanduser().resolve()) if node_state else None
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), reaped_on_death():  # Ray's helpers end with this process, even killed outright
         # Ray's tip that a future release stops hiding GPUs from actors that ask for none: fedhet asks for
         # client_gpus explicitly, so the tip is noise on every run (the behaviour is left as Ray has it today).
         warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
