@@ -91,19 +91,24 @@ def test_an_edited_plugin_stops_resume_and_compare_until_accepted(tmp_path, monk
     assert code == 0, err  # the finished cell is skipped
 
 
+def one_round_settings(tmp_path, algorithm: str) -> dict:
+    """A one-round run named "p" on digits under ``tmp_path / "runs"``."""
+    return {
+        "run": {"rounds": 1, "out_dir": str(tmp_path / "runs"), "name": "p", "progress": False},
+        "dataset": {"name": "digits"},
+        "partition": {"num_clients": 4, "min_size": 20},
+        "model": {"name": "mlp", "hidden": [16]},
+        "algorithm": {"name": algorithm},
+    }
+
+
 def test_the_python_api_accepts_a_changed_plugin_for_one_call(tmp_path, capsys):
     import fedhet as api
     from fedhet.errors import ConfigError
 
     plugin = tmp_path / "edit_probe_plugin.py"
     plugin.write_text(PLUGIN)
-    settings = {
-        "run": {"rounds": 1, "out_dir": str(tmp_path / "runs"), "name": "p", "progress": False},
-        "dataset": {"name": "digits"},
-        "partition": {"num_clients": 4, "min_size": 20},
-        "model": {"name": "mlp", "hidden": [16]},
-        "algorithm": {"name": "edit_probe"},
-    }
+    settings = one_round_settings(tmp_path, "edit_probe")
     api.run(settings, plugins=[plugin])
     plugin.write_text(PLUGIN + "\nEDITED = True\n")
     with pytest.raises(ConfigError, match="plug-in code changed"):
@@ -145,13 +150,7 @@ def test_a_run_that_uses_no_component_of_an_edited_plugin_resumes(tmp_path):
 
     plugin = tmp_path / "edit_probe_plugin.py"
     plugin.write_text(PLUGIN)
-    settings = {
-        "run": {"rounds": 1, "out_dir": str(tmp_path / "runs"), "name": "p", "progress": False},
-        "dataset": {"name": "digits"},
-        "partition": {"num_clients": 4, "min_size": 20},
-        "model": {"name": "mlp", "hidden": [16]},
-        "algorithm": {"name": "fedavg"},
-    }
+    settings = one_round_settings(tmp_path, "fedavg")
     api.run(settings, plugins=[plugin])
     plugin.write_text(PLUGIN + "\nEDITED = True\n")
     assert api.resume(tmp_path / "runs" / "p", rounds=2).summary["rounds_done"] == 2
