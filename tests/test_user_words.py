@@ -58,7 +58,8 @@ def test_the_patterns_catch_process_words_and_spare_ordinary_ones():
                  "stopped at the session's end", "shared with other engineers"):  # fmt: skip
         assert WORDS.search(said), said
     for fine in ("the matplotlib backend of a notebook or GUI session", "this notebook or session",
-                 "an interactive session", "runs in a session of its own", "FL-bench#5", "a client that raises", "silent", "tissue"):  # fmt: skip
+                 "an interactive session", "runs in a session of its own", "FL-bench#5", "a client that raises",
+                 "silent", "tissue"):  # fmt: skip
         assert not WORDS.search(fine), fine
 
 
