@@ -1,7 +1,8 @@
 """Defects found by trying to break fedhet: a foreign config.json in a run folder, usage errors, plug-ins that exit
-or raise KeyboardInterrupt on import, where a comparison's cell runs, a torn metrics line at resume, and Ray helpers
-left behind by a killed Flower simulation. The commands run in this process through ``fedhet.cli.main``, as the
-``fedhet`` script does (argv in, message on stderr, exit status out), except where a process must be killed.
+or raise KeyboardInterrupt on import, where a comparison's cell runs, a torn metrics line at resume, Ray helpers
+left behind by a killed Flower simulation, and one that Ctrl-C did not end. The commands run in this process through
+``fedhet.cli.main``, as the ``fedhet`` script does (argv in, message on stderr, exit status out), except where a
+process must be killed.
 """
 
 from __future__ import annotations
@@ -240,3 +241,67 @@ def test_ray_helpers_end_with_a_flower_simulation_killed_outright(tmp_path):
             p.kill()
     left = [(p.pid, p.name()) for p in left]
     assert not left, left
+
+
+@pytest.mark.slow  # Ray start-up: about 30 s on two cores
+def test_ctrl_c_ends_a_flower_simulation_promptly(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) once ``fedhet flower simulate`` trains: exit 130 within
+    seconds with one 'interrupted' line, and nothing it started left running. It printed the line and Ray ended,
+    but Flower's ServerApp thread (not a daemon) went on waiting for replies and kept the process alive."""
+    import os
+    import signal
+    import subprocess
+    import time
+    from contextlib import suppress
+
+    pytest.importorskip("ray")
+    pytest.importorskip("flwr")
+    psutil = pytest.importorskip("psutil")
+    out = tmp_path / "runs"
+    args = ["flower", "simulate", *TINY, "-r", "500", "-o", out, "--name", "ctrl-c", "--num-cpus", "2"]
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedhet.cli", *map(str, args)],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a process group of its own, as a terminal gives a command
+    )
+    metrics, deadline, under = out / "ctrl-c" / "metrics.jsonl", time.monotonic() + 240, []
+
+    def alive(processes: list) -> list[tuple[int, str]]:
+        running = []
+        for p in processes:
+            with suppress(psutil.NoSuchProcess):
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    running.append((p.pid, p.name()))
+        return running
+
+    try:
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # two rounds: every helper is up
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.2)
+        under = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            code = None
+        settled = time.monotonic() + 20  # Ray's helpers see the raylet go, then exit
+        while alive(under) and time.monotonic() < settled:
+            time.sleep(0.5)
+        left = alive(under)
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # only this test's process group, should the test fail
+        proc.wait()
+        for p in under:  # and only what the run started
+            with suppress(psutil.NoSuchProcess):
+                p.kill()
+    err = proc.stderr.read()
+    assert code == 130, f"still running 30 s after Ctrl-C (exit status {code}): {err[-3000:]}"
+    assert not left, left
+    assert "Traceback" not in err, err
+    assert [line for line in err.splitlines() if "interrupted" in line] == [
+        f"interrupted: the last checkpoint is kept; continue with --resume ({out / 'ctrl-c'})"
+    ], err
