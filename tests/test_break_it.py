@@ -148,6 +148,28 @@ def test_a_plugin_module_that_exits_on_import_is_one_line_naming_it(tmp_path, mo
     assert got == 2 and line == "error: plug-in module 'abrupt_module' failed to load: it called sys.exit('bye')", line
 
 
+# ---------------------------------------------------------------------------------------------- a stray Ctrl-C
+@pytest.mark.parametrize(
+    "command, target",
+    [
+        (["list"], "fedhet.plugins.load"),
+        (["report", "."], "fedhet.results.report.load_runs"),
+        (["--version"], "fedhet.plugins.fedhet_version"),  # while the arguments are read, before any command
+    ],
+    ids=["list", "report", "--version"],
+)
+def test_ctrl_c_outside_training_is_the_one_interrupted_line(monkeypatch, capsys, command, target):
+    """Ctrl-C where no command says how to continue (typer alone exits 130 without a word)."""
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(target, ctrl_c)
+    code, err = fedhet(monkeypatch, capsys, *command)
+    assert code == 130
+    assert one_line(err, "interrupted: ") == "interrupted: before the command finished; run it again"
+
+
 # ---------------------------------------------------------------------------------------------- where a cell runs
 def test_a_cell_records_the_same_run_workers_in_a_worker_process_and_in_this_one(tmp_path):
     """With jobs=2, two cells run in worker processes; a lone cell left to run (here: a comparison of one) runs in
