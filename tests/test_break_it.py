@@ -196,24 +196,56 @@ def test_a_cell_records_the_same_run_workers_in_a_worker_process_and_in_this_one
 
 
 # ---------------------------------------------------------------------------------------------- a torn metrics line
+TORN = "skipping a torn last line (a crash mid-write?)"
+
+
 @pytest.mark.parametrize("how", ["run --resume", "resume"])
 def test_a_torn_metrics_line_at_resume_is_one_warning_line_printed_once(tmp_path, monkeypatch, capsys, how):
+    """metrics.jsonl and client_metrics.jsonl (run.client_metrics) each torn by a kill mid-write: one ``warning:``
+    line each (client_metrics.jsonl's was a Python UserWarning with its source line)."""
     import warnings
 
     out = tmp_path / "runs"
-    args = [*TINY, "-o", out, "--name", "torn"]
+    args = [*TINY, "-o", out, "--name", "torn", "-s", "run.client_metrics=true"]
     assert fedhet(monkeypatch, capsys, "run", *args)[0] == 0
-    metrics = out / "torn" / "metrics.jsonl"
-    with metrics.open("a") as f:
-        f.write('{"round": 2, "test_a')  # killed mid-write
+    logs = [out / "torn" / "metrics.jsonl", out / "torn" / "client_metrics.jsonl"]
+    for log in logs:
+        with log.open("a") as f:
+            f.write('{"round": 2, "test_a')  # killed mid-write
     command = ["run", *args, "-r", "2", "--resume"] if how == "run --resume" else ["resume", out / "torn", "-r", "2"]
     with warnings.catch_warnings(record=True) as raw:
         warnings.simplefilter("always")
         code, err = fedhet(monkeypatch, capsys, *command)
     assert code == 0 and not [str(w.message) for w in raw], err  # no Python warning (file, line and code shown)
     torn = [line for line in err.splitlines() if "torn" in line]
-    assert torn == [f"warning: {metrics}: skipping a torn last line (a crash mid-write?)"], err
-    assert [json.loads(line)["round"] for line in metrics.read_text().splitlines()] == [1, 2]
+    assert torn == [f"warning: {log}: {TORN}" for log in logs], err
+    for log in logs:
+        assert {json.loads(line)["round"] for line in log.read_text().splitlines()} == {1, 2}
+
+
+def test_a_torn_metrics_line_before_a_comparison_resumes_is_one_warning_line(tmp_path, monkeypatch, capsys):
+    """compare reads a killed cell's metrics.jsonl to say what it would do: --dry-run gives the torn line as one
+    ``warning:`` line, and a run gives it once, from the cell's resume (the check gave a Python UserWarning)."""
+    import warnings
+
+    out = tmp_path / "cmp"
+    sets = ["dataset.name=digits", "model.name=mlp", "partition.num_clients=4", "partition.min_size=20"]
+    sets += ["run.progress=false"]
+    compare = ["compare", *(a for s in sets for a in ("-s", s)), "-v", "fedavg", "--seeds", "0", "-o", out]
+    assert fedhet(monkeypatch, capsys, *compare, "-s", "run.rounds=1")[0] == 0
+    metrics = out / "fedavg-s0" / "metrics.jsonl"
+    (metrics.parent / "summary.json").unlink()  # killed before it wrote its summary
+    with metrics.open("a") as f:
+        f.write('{"round": 2, "test_a')
+    outputs = []
+    with warnings.catch_warnings(record=True) as raw:
+        warnings.simplefilter("always")
+        for extra in (["--dry-run"], []):
+            code, err = fedhet(monkeypatch, capsys, *compare, "-s", "run.rounds=2", *extra)
+            assert code == 0, err
+            outputs.append([line for line in err.splitlines() if "torn" in line])
+    assert not [str(w.message) for w in raw]
+    assert outputs == [[f"warning: {metrics}: {TORN}"], [f"fedavg-s0: warning: {metrics}: {TORN}"]]
 
 
 # ---------------------------------------------------------------------------------------------- a killed simulation
