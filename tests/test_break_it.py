@@ -1,7 +1,8 @@
 """Defects found by trying to break fedhet: a foreign config.json in a run folder, usage errors, plug-ins that exit
-or raise KeyboardInterrupt on import, where a comparison's cell runs, a torn metrics line at resume, and Ray helpers
-left behind by a killed Flower simulation. The commands run in this process through ``fedhet.cli.main``, as the
-``fedhet`` script does (argv in, message on stderr, exit status out), except where a process must be killed.
+or raise KeyboardInterrupt on import, where a comparison's cell runs, a torn metrics line at resume, Ray helpers
+left behind by a killed Flower simulation, and one that Ctrl-C did not end. The commands run in this process through
+``fedhet.cli.main``, as the ``fedhet`` script does (argv in, message on stderr, exit status out), except where a
+process must be killed.
 """
 
 from __future__ import annotations
@@ -147,6 +148,28 @@ def test_a_plugin_module_that_exits_on_import_is_one_line_naming_it(tmp_path, mo
     assert got == 2 and line == "error: plug-in module 'abrupt_module' failed to load: it called sys.exit('bye')", line
 
 
+# ---------------------------------------------------------------------------------------------- a stray Ctrl-C
+@pytest.mark.parametrize(
+    "command, target",
+    [
+        (["list"], "fedhet.plugins.load"),
+        (["report", "."], "fedhet.results.report.load_runs"),
+        (["--version"], "fedhet.plugins.fedhet_version"),  # while the arguments are read, before any command
+    ],
+    ids=["list", "report", "--version"],
+)
+def test_ctrl_c_outside_training_is_the_one_interrupted_line(monkeypatch, capsys, command, target):
+    """Ctrl-C where no command says how to continue (typer alone exits 130 without a word)."""
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(target, ctrl_c)
+    code, err = fedhet(monkeypatch, capsys, *command)
+    assert code == 130
+    assert one_line(err, "interrupted: ") == "interrupted: before the command finished; run it again"
+
+
 # ---------------------------------------------------------------------------------------------- where a cell runs
 def test_a_cell_records_the_same_run_workers_in_a_worker_process_and_in_this_one(tmp_path):
     """With jobs=2, two cells run in worker processes; a lone cell left to run (here: a comparison of one) runs in
@@ -173,24 +196,56 @@ def test_a_cell_records_the_same_run_workers_in_a_worker_process_and_in_this_one
 
 
 # ---------------------------------------------------------------------------------------------- a torn metrics line
+TORN = "skipping a torn last line (a crash mid-write?)"
+
+
 @pytest.mark.parametrize("how", ["run --resume", "resume"])
 def test_a_torn_metrics_line_at_resume_is_one_warning_line_printed_once(tmp_path, monkeypatch, capsys, how):
+    """metrics.jsonl and client_metrics.jsonl (run.client_metrics) each torn by a kill mid-write: one ``warning:``
+    line each (client_metrics.jsonl's was a Python UserWarning with its source line)."""
     import warnings
 
     out = tmp_path / "runs"
-    args = [*TINY, "-o", out, "--name", "torn"]
+    args = [*TINY, "-o", out, "--name", "torn", "-s", "run.client_metrics=true"]
     assert fedhet(monkeypatch, capsys, "run", *args)[0] == 0
-    metrics = out / "torn" / "metrics.jsonl"
-    with metrics.open("a") as f:
-        f.write('{"round": 2, "test_a')  # killed mid-write
+    logs = [out / "torn" / "metrics.jsonl", out / "torn" / "client_metrics.jsonl"]
+    for log in logs:
+        with log.open("a") as f:
+            f.write('{"round": 2, "test_a')  # killed mid-write
     command = ["run", *args, "-r", "2", "--resume"] if how == "run --resume" else ["resume", out / "torn", "-r", "2"]
     with warnings.catch_warnings(record=True) as raw:
         warnings.simplefilter("always")
         code, err = fedhet(monkeypatch, capsys, *command)
     assert code == 0 and not [str(w.message) for w in raw], err  # no Python warning (file, line and code shown)
     torn = [line for line in err.splitlines() if "torn" in line]
-    assert torn == [f"warning: {metrics}: skipping a torn last line (a crash mid-write?)"], err
-    assert [json.loads(line)["round"] for line in metrics.read_text().splitlines()] == [1, 2]
+    assert torn == [f"warning: {log}: {TORN}" for log in logs], err
+    for log in logs:
+        assert {json.loads(line)["round"] for line in log.read_text().splitlines()} == {1, 2}
+
+
+def test_a_torn_metrics_line_before_a_comparison_resumes_is_one_warning_line(tmp_path, monkeypatch, capsys):
+    """compare reads a killed cell's metrics.jsonl to say what it would do: --dry-run gives the torn line as one
+    ``warning:`` line, and a run gives it once, from the cell's resume (the check gave a Python UserWarning)."""
+    import warnings
+
+    out = tmp_path / "cmp"
+    sets = ["dataset.name=digits", "model.name=mlp", "partition.num_clients=4", "partition.min_size=20"]
+    sets += ["run.progress=false"]
+    compare = ["compare", *(a for s in sets for a in ("-s", s)), "-v", "fedavg", "--seeds", "0", "-o", out]
+    assert fedhet(monkeypatch, capsys, *compare, "-s", "run.rounds=1")[0] == 0
+    metrics = out / "fedavg-s0" / "metrics.jsonl"
+    (metrics.parent / "summary.json").unlink()  # killed before it wrote its summary
+    with metrics.open("a") as f:
+        f.write('{"round": 2, "test_a')
+    outputs = []
+    with warnings.catch_warnings(record=True) as raw:
+        warnings.simplefilter("always")
+        for extra in (["--dry-run"], []):
+            code, err = fedhet(monkeypatch, capsys, *compare, "-s", "run.rounds=2", *extra)
+            assert code == 0, err
+            outputs.append([line for line in err.splitlines() if "torn" in line])
+    assert not [str(w.message) for w in raw]
+    assert outputs == [[f"warning: {metrics}: {TORN}"], [f"fedavg-s0: warning: {metrics}: {TORN}"]]
 
 
 # ---------------------------------------------------------------------------------------------- a killed simulation
@@ -240,3 +295,67 @@ def test_ray_helpers_end_with_a_flower_simulation_killed_outright(tmp_path):
             p.kill()
     left = [(p.pid, p.name()) for p in left]
     assert not left, left
+
+
+@pytest.mark.slow  # Ray start-up: about 30 s on two cores
+def test_ctrl_c_ends_a_flower_simulation_promptly(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) once ``fedhet flower simulate`` trains: exit 130 within
+    seconds with one 'interrupted' line, and nothing it started left running. It printed the line and Ray ended,
+    but Flower's ServerApp thread (not a daemon) went on waiting for replies and kept the process alive."""
+    import os
+    import signal
+    import subprocess
+    import time
+    from contextlib import suppress
+
+    pytest.importorskip("ray")
+    pytest.importorskip("flwr")
+    psutil = pytest.importorskip("psutil")
+    out = tmp_path / "runs"
+    args = ["flower", "simulate", *TINY, "-r", "500", "-o", out, "--name", "ctrl-c", "--num-cpus", "2"]
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedhet.cli", *map(str, args)],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a process group of its own, as a terminal gives a command
+    )
+    metrics, deadline, under = out / "ctrl-c" / "metrics.jsonl", time.monotonic() + 240, []
+
+    def alive(processes: list) -> list[tuple[int, str]]:
+        running = []
+        for p in processes:
+            with suppress(psutil.NoSuchProcess):
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    running.append((p.pid, p.name()))
+        return running
+
+    try:
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # two rounds: every helper is up
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.2)
+        under = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            code = proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            code = None
+        settled = time.monotonic() + 20  # Ray's helpers see the raylet go, then exit
+        while alive(under) and time.monotonic() < settled:
+            time.sleep(0.5)
+        left = alive(under)
+    finally:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # only this test's process group, should the test fail
+        proc.wait()
+        for p in under:  # and only what the run started
+            with suppress(psutil.NoSuchProcess):
+                p.kill()
+    err = proc.stderr.read()
+    assert code == 130, f"still running 30 s after Ctrl-C (exit status {code}): {err[-3000:]}"
+    assert not left, left
+    assert "Traceback" not in err, err
+    assert [line for line in err.splitlines() if "interrupted" in line] == [
+        f"interrupted: the last checkpoint is kept; continue with --resume ({out / 'ctrl-c'})"
+    ], err

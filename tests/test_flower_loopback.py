@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+import uuid
 
 import pytest
 import torch
@@ -207,3 +209,47 @@ def test_under_flwr_run_a_run_folder_in_use_is_one_logged_line_in_run_config_ter
     assert "already holds a run; pass --run-config 'resume=true' to continue it" in message
     assert "--run-config 'overwrite=true' to replace it" in message and "--resume " not in message
     assert any(r.getMessage() == f"fedhet: {message}" for r in caplog.records)
+
+
+# -------------------------------------------------------------------------------------------- stopped by the caller
+def test_a_stopped_run_ends_its_server_thread_while_the_nodes_are_silent(tiny_config):
+    """Flower's simulation runs the ServerApp in a thread that is not a daemon; after Ctrl-C its nodes are gone.
+    Setting ``RunOptions.stop`` ends that thread at once (it polled for replies forever, so the process never
+    exited)."""
+    import threading
+
+    from fedhet.flower.server import Stopped
+
+    class GoneQuiet(LoopbackGrid):
+        """Answers the server's node query, then never replies again (the runtime has shut down)."""
+
+        def __init__(self, *args) -> None:
+            super().__init__(*args)
+            self.training = threading.Event()
+
+        def push_messages(self, messages):
+            messages = list(messages)
+            if messages[0].metadata.message_type == "query":
+                return super().push_messages(messages)
+            for msg in messages:
+                msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            self.training.set()
+            return [msg.metadata.message_id for msg in messages]
+
+    cfg = make_cfg(tiny_config, "stopped")
+    grid, stop, raised = GoneQuiet(make_client_app(lambda _: cfg), TWO_NODES), threading.Event(), []
+
+    def server() -> None:
+        try:
+            run_server(grid, cfg, RunOptions(stop=stop))
+        except Exception as err:  # noqa: BLE001  (what ends the thread is the assertion)
+            raised.append(err)
+
+    thread = threading.Thread(target=server, daemon=True)
+    thread.start()
+    assert grid.training.wait(60), raised
+    time.sleep(0.3)  # the server is polling for replies
+    stop.set()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], Stopped), raised

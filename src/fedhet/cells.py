@@ -105,8 +105,9 @@ class CellState:
     accepted: bool = False  # it goes on under plug-in code that changed since, as --accept-changed-plugins allows
 
 
-def cell_state(cell: Cell) -> CellState:
-    """What running ``cell`` would do with what its folder holds; reads only small JSON files, never data."""
+def cell_state(cell: Cell, warn: Callable[[str], None]) -> CellState:
+    """What running ``cell`` would do with what its folder holds; reads only small JSON files, never data. ``warn``
+    gets a torn last line of its metrics.jsonl (as a run's own warnings do)."""
     from fedhet.engine.rundir import holds_run
     from fedhet.engine.simulation import config_changes, resolve_config
     from fedhet.results.store import read_json, read_metrics
@@ -142,7 +143,7 @@ def cell_state(cell: Cell) -> CellState:
     if isinstance(summary, dict) and summary.get("status") == "failed":
         return CellState("resume", f"failed after round {done}, retry from its last checkpoint", done)
     try:
-        last = max((r["round"] for r in read_metrics(folder / "metrics.jsonl")), default=0)
+        last = max((r["round"] for r in read_metrics(folder / "metrics.jsonl", warn)), default=0)
     except FedhetError:
         last = 0
     return CellState("resume", f"metrics to round {last}" if last else "no metrics yet", last)
@@ -201,7 +202,8 @@ def run_cells(
         other = folders.setdefault(c.run_dir.resolve(), c.name)
         if other != c.name:
             raise ConfigError(f"cells {other} and {c.name} would share the run folder {c.run_dir}")
-    states = {c.name: CellState("start") if overwrite else cell_state(c) for c in cells}
+    # silent about a torn metrics line: the cell's resume says it, once, among the cell's lines
+    states = {c.name: CellState("start") if overwrite else cell_state(c, lambda _: None) for c in cells}
     check_conflicts(cells, states)
     threads = threads or max(1, usable_cores() // jobs)
     skipped = {
@@ -283,7 +285,7 @@ class _Lines:
 
 @contextmanager
 def _forward_warnings(send: Callable[[str], None]) -> Iterator[None]:
-    """Python warnings (a torn metrics line, say) go to the display with the cell's name, not to raw stderr."""
+    """Python warnings (a library's, say) go to the display with the cell's name, not to raw stderr."""
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):

@@ -6,7 +6,7 @@ import os
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import click
 import typer
@@ -15,11 +15,13 @@ from rich.table import Table
 
 from fedhet import api
 from fedhet.cli_shared import (
+    ANY_COMMAND,
     BUILDING_CONFIG,
     SUGGEST_COMMANDS,
     AcceptPluginsOpt,
     AlgorithmOpt,
     ClientsOpt,
+    Commands,
     ConfigOpt,
     DataDirOpt,
     DatasetOpt,
@@ -46,6 +48,7 @@ from fedhet.errors import ConfigError, FedhetError, Interrupted, RunFailed
 from fedhet.flower.cli import flower_app
 
 app = typer.Typer(
+    cls=Commands,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -500,8 +503,7 @@ def main() -> None:
         err_console.print(usage_error_line(err), soft_wrap=True, highlight=False)
         sys.exit(err.exit_code)
     except Interrupted as err:
-        err_console.print(f"[yellow]interrupted[/]: {escape(str(err))}", soft_wrap=True, highlight=False)
-        sys.exit(130)
+        _exit_interrupted(str(err))
     except RunFailed as err:  # the run started and could not go on: exit 1, as a failed program does
         err_console.print(f"[red]failed:[/] {escape(str(err))}", soft_wrap=True, highlight=False)
         sys.exit(1)
@@ -509,10 +511,16 @@ def main() -> None:
         # One line however long (no wrapping at the console width), and brackets in the message are not markup.
         err_console.print(f"[red]error:[/] {escape(str(err))}", soft_wrap=True, highlight=False)
         sys.exit(2)
-    except KeyboardInterrupt:
-        err_console.print("[yellow]interrupted[/]: the last checkpoint is kept; continue with --resume")
-        sys.exit(130)
-    sys.exit(code or 0)  # --help, --version: 0; Ctrl-C outside training: typer's 130
+    except KeyboardInterrupt:  # while a line above was printed
+        _exit_interrupted(ANY_COMMAND)
+    if code == 130:  # typer's silent exit for a Ctrl-C before any command ran (its arguments being read)
+        _exit_interrupted(ANY_COMMAND)
+    sys.exit(code or 0)  # --help, --version: 0
+
+
+def _exit_interrupted(how_to_continue: str) -> NoReturn:
+    err_console.print(f"[yellow]interrupted[/]: {escape(how_to_continue)}", soft_wrap=True, highlight=False)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

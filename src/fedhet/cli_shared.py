@@ -190,6 +190,19 @@ def interrupted(how_to_continue: str) -> Iterator[None]:
         raise Interrupted(how_to_continue) from None
 
 
+# Ctrl-C where no command says more (fedhet list, report, a run's last lines): what every command may say
+ANY_COMMAND = "before the command finished; run it again"
+
+
+class Commands(typer.core.TyperGroup):
+    """The ``fedhet`` app's commands: a Ctrl-C that no ``interrupted`` block of a command names is still the one
+    ``interrupted:`` line (typer turns a KeyboardInterrupt into a silent exit 130)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with interrupted(ANY_COMMAND):
+            return super().invoke(ctx)
+
+
 def print_final(summary: dict[str, Any], run_dir: Path) -> None:
     final = summary.get("final", {})
     parts = [

@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import itertools
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +38,7 @@ from rich.table import Table
 
 from fedhet.cells import Cell, cell_state, check_conflicts, run_cells
 from fedhet.config import apply_override, build_config, load_raw, parse_value, set_dotted
+from fedhet.engine.display import print_warning
 from fedhet.errors import ConfigError, RunFailed
 from fedhet.params import Params, Seed, problem, shown
 
@@ -397,9 +399,10 @@ def plan_comparison(
     return Comparison(cells, labels, points, out_dir, base_cfg.run.progress, partitions_text)
 
 
-def print_plan(plan: Comparison, overwrite: bool, console: Console) -> None:
-    """--dry-run: each cell, its folder and what running would do; then the error a conflict would raise."""
-    states = {c.name: cell_state(c) for c in plan.cells}
+def print_plan(plan: Comparison, overwrite: bool, console: Console, err_console: Console) -> None:
+    """--dry-run: each cell, its folder and what running would do (warnings on ``err_console``); then the error a
+    conflict would raise."""
+    states = {c.name: cell_state(c, partial(print_warning, err_console)) for c in plan.cells}
     table = Table(title=f"{len(plan.cells)} cells in {plan.out_dir}", title_justify="left")
     for column in ("cell", "run folder", "rounds", "action"):
         table.add_column(column, overflow="fold")
@@ -436,7 +439,7 @@ def run_comparison(
     Raises RunFailed, after tabulating the others, when some cells failed."""
     plan = plan_comparison(config, overrides, variants, seeds, grid, partitions, writable=not dry_run)
     if dry_run:
-        print_plan(plan, overwrite, console)
+        print_plan(plan, overwrite, console, err_console)
         return []
     results = run_cells(
         plan.cells, jobs=jobs, threads=threads, overwrite=overwrite, console=err_console, progress=plan.progress

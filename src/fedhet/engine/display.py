@@ -10,6 +10,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 
+def print_warning(console: Console, text: str) -> None:
+    """A warning as one ``warning:`` line, however long (brackets in it are not markup)."""
+    console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
+
+
 class RunDisplay:
     def __init__(self, console: Console, name: str, rounds: int, enabled: bool) -> None:
         self.console, self.name, self.rounds, self.enabled = console, name, rounds, enabled
@@ -21,7 +26,7 @@ class RunDisplay:
         return self.console.is_terminal or self.console.is_jupyter
 
     def warn(self, text: str) -> None:
-        self.console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=True)
+        print_warning(self.console, text)
 
     def dropped(self, rnd: int, phase: str, failures: list[dict[str, Any]], clients: int) -> None:
         first = failures[0]

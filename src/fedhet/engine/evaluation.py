@@ -16,7 +16,7 @@ from fedhet.config import Config
 from fedhet.data.federated import FederatedDataset
 from fedhet.engine.attack import attack_metrics
 from fedhet.engine.client import LOCAL_BUFFERS, LOCAL_PARAMS, Executor, RoundResult
-from fedhet.results.store import MetricsLog, truncate_after
+from fedhet.results.store import MetricsLog, Warn, truncate_after
 from fedhet.toolkit.evaluate import client_test_samples, evaluate, evaluate_global, local_risk
 from fedhet.toolkit.flat import FlatModel
 from fedhet.toolkit.local import derive_seed
@@ -36,9 +36,11 @@ class Evaluator:
         executor: Executor,
         run_dir: Path,
         seen: set[int],
+        warn: Warn = None,
     ) -> None:
         self.cfg, self.eval_fed, self.model, self.flat, self.algo = cfg, fed, model, flat, algo
         self.executor, self.run_dir, self.seen = executor, run_dir, seen
+        self.warn = warn  # a torn line of client_metrics.jsonl: the run's one warning line
         self.ema: float | None = None  # test_acc_ema (state: in the checkpoint)
         # run.eval_local_models: the local models (params, buffers) of the last phase's replies, for evaluation
         self.local_models: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -121,7 +123,7 @@ class Evaluator:
         path = self.run_dir / "client_metrics.jsonl"
         if not self._client_metrics_started:
             self._client_metrics_started = True
-            truncate_after(path, rnd - 1)  # the rounds before this one are the resumed checkpoint's
+            truncate_after(path, rnd - 1, self.warn)  # the rounds before this one are the resumed checkpoint's
         if not self.cfg.run.client_metrics:
             return
         lines = []
@@ -129,7 +131,7 @@ class Evaluator:
             for cid, (examples, metrics) in reports.items():
                 line = {"round": rnd, "phase": phase, "client": cid, "num_examples": examples}
                 lines.append({**line, **{k: v for k, v in metrics.items() if k not in line}})
-        MetricsLog(path).extend(lines)
+        MetricsLog(path, self.warn).extend(lines)
 
     def dist_samples(self) -> list[np.ndarray] | None:
         """The clients' sampled test sets (run.client_dist_sampled): drawn once from the run seed, so every round

@@ -79,11 +79,19 @@ class Simulation:
         self.client_threads = 1 if self.workers > 1 else torch.get_num_threads()
         self.seen: set[int] = set()  # clients that have completed at least one round
         self.sampler = ClientSampler(cfg, self.fed, self.model, self.flat, self.algo)
+        self.folder = RunFolder(self.run_dir, cfg, self.resolved, self.warn, dict(FLAGS))
         self.evaluator = Evaluator(
-            cfg, self.eval_fed, self.model, self.flat, self.algo, self.executor, self.run_dir, self.seen
+            cfg,
+            self.eval_fed,
+            self.model,
+            self.flat,
+            self.algo,
+            self.executor,
+            self.run_dir,
+            self.seen,
+            self.folder.warn_once,
         )
         self.health = RunHealth(cfg, self.fed, self.algo)
-        self.folder = RunFolder(self.run_dir, cfg, self.resolved, self.warn, dict(FLAGS))
         self.attack = attack_record(cfg, self.fed.num_clients)  # which clients are malicious, under [attack]
         # [tracking]: TensorBoard, MLflow, W&B get copies of the config, metrics and summary (results/trackers.py)
         self.trackers = Trackers(cfg.tracking, self.run_dir, Path(cfg.run.out_dir), self.name, self.warn)

@@ -15,8 +15,9 @@ Run options come from Flower's run config (``[tool.flwr.app.config]`` of the app
 from __future__ import annotations
 
 import shlex
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from logging import ERROR
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,9 @@ class RunOptions:
     secure_aggregation: SecAggSettings | None = None  # SecAgg+ over the nodes (fedhet.flower.secagg)
     # how messages tell the user to continue or replace a run folder: fedhet's flags, or Flower's run config
     flags: tuple[str, str] = ("--resume", "--overwrite")
+    # set by a caller that ends the run early (Ctrl-C in fedhet flower simulate): the ServerApp stops at its next
+    # wait on the nodes, so its thread does not outlive the command
+    stop: threading.Event | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> RunOptions:
@@ -122,13 +126,13 @@ def run_server(grid: Grid, cfg: Config, options: RunOptions, console: Console | 
         why = refusal(cfg, options.secure_aggregation)
         if why:  # before waiting for any node
             raise ConfigError(f"secure-aggregation={SECAGG!r}: {why}")
-    nodes = discover(grid, cfg.partition.num_clients, options.node_wait)
+    nodes = discover(grid, cfg.partition.num_clients, options.node_wait, options.stop)
     fed = server_federation(cfg, nodes)
     name = run_name(cfg)
     executor = FlowerExecutor(
         grid,
         nodes,
-        Exchange(grid, timeout=options.round_timeout or None),
+        Exchange(grid, timeout=options.round_timeout or None, stop=options.stop),
         cfg.run.device,
         run_name=name,
         notices=Path(cfg.run.out_dir) / name / "notices.jsonl",

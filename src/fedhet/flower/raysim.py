@@ -7,7 +7,9 @@ The ServerApp and ClientApp are the deployment ones; only the runtime differs. R
 
 from __future__ import annotations
 
+import threading
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +40,10 @@ def run_ray_simulation(
     only (lost when this Flower run ends)."""
     from flwr.simulation import run_simulation
 
-    options = options or RunOptions()
+    # Flower runs the ServerApp in a thread that is not a daemon: when Ctrl-C ends the runtime in this thread, the
+    # ServerApp would wait for replies that never come and keep the process alive; ``stop`` ends it
+    stop = threading.Event()
+    options = replace(options or RunOptions(), stop=stop)
     # no dashboard: fedhet never shows it, and it is one more web server on this machine
     init_args: dict[str, Any] = {"include_dashboard": False, **({"num_cpus": num_cpus} if num_cpus else {})}
     if not verbose:
@@ -52,15 +57,18 @@ def run_ray_simulation(
         # Ray's tip that a future release stops hiding GPUs from actors that ask for none: fedhet asks for
         # client_gpus explicitly, so the tip is noise on every run (the behaviour is left as Ray has it today).
         warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
-        run_simulation(
-            server_app=make_server_app(lambda _: cfg, lambda _: options),
-            client_app=make_client_app(lambda _: cfg, (lambda _: root) if root else None),
-            num_supernodes=cfg.partition.num_clients,
-            backend_name="ray",
-            backend_config={
-                "client_resources": {"num_cpus": client_cpus, "num_gpus": client_gpus},
-                "init_args": init_args,
-            },
-            verbose_logging=verbose,
-        )
+        try:
+            run_simulation(
+                server_app=make_server_app(lambda _: cfg, lambda _: options),
+                client_app=make_client_app(lambda _: cfg, (lambda _: root) if root else None),
+                num_supernodes=cfg.partition.num_clients,
+                backend_name="ray",
+                backend_config={
+                    "client_resources": {"num_cpus": client_cpus, "num_gpus": client_gpus},
+                    "init_args": init_args,
+                },
+                verbose_logging=verbose,
+            )
+        finally:
+            stop.set()
     return read_json(run_dir / "summary.json")

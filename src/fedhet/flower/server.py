@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -63,18 +64,41 @@ class Nodes:
         return sorted(c for c in cids if c in self.holder and not self.durable.get(self.holder[c], False))
 
 
-class Exchange:
-    """Push messages through a Grid and pull the replies, polling quickly (replies in deployment take seconds)."""
+class Stopped(Exception):
+    """The caller ended the run while the ServerApp waited on the nodes (Ctrl-C in ``fedhet flower simulate``)."""
 
-    def __init__(self, grid: Grid, timeout: float | None = None, poll: float = 0.05, max_poll: float = 0.5) -> None:
+
+def pause(seconds: float, stop: threading.Event | None) -> None:
+    """Wait ``seconds``, or raise ``Stopped`` as soon as ``stop`` is set: the simulation runs the ServerApp in a
+    thread that is not a daemon, so a thread left polling nodes that are gone would keep the process alive."""
+    if stop is None:
+        time.sleep(seconds)
+    elif stop.wait(seconds):
+        raise Stopped("the run was stopped while it waited for the nodes")
+
+
+class Exchange:
+    """Push messages through a Grid and pull the replies, polling quickly (replies in deployment take seconds);
+    ``stop``, once set, ends the wait with ``Stopped``."""
+
+    def __init__(
+        self,
+        grid: Grid,
+        timeout: float | None = None,
+        poll: float = 0.05,
+        max_poll: float = 0.5,
+        stop: threading.Event | None = None,
+    ) -> None:
         self.grid = grid
         self.timeout = timeout
         self.poll = poll
         self.max_poll = max_poll
+        self.stop = stop
 
     def __call__(self, messages: dict[Any, FlowerMessage]) -> tuple[dict[Any, FlowerMessage], dict[Any, str]]:
         """Send ``{key: message}``; returns ``({key: reply}, {key: why it has none})``. Error replies are replies."""
         keys = list(messages)
+        pause(0, self.stop)
         self.grid.push_messages([messages[k] for k in keys])
         pending = {messages[k].metadata.message_id: k for k in keys if messages[k].metadata.message_id}
         missing = {k: "the SuperLink did not accept the message" for k in keys if k not in pending.values()}
@@ -87,7 +111,7 @@ class Exchange:
                 if key is not None:
                     replies[key] = reply
             if pending:
-                time.sleep(wait)
+                pause(wait, self.stop)
                 wait = min(wait * 1.5, self.max_poll)
         missing.update({k: f"no reply within {self.timeout} s" for k in pending.values()})
         return replies, missing
@@ -97,15 +121,16 @@ def error_text(reply: FlowerMessage) -> str:
     return f"node {reply.metadata.src_node_id}: {reply.error.reason or f'error code {reply.error.code}'}"
 
 
-def discover(grid: Grid, num_clients: int, wait_s: float) -> Nodes:
-    """Ask every node which clients it holds, until all ``num_clients`` are held (or ``wait_s`` passes)."""
+def discover(grid: Grid, num_clients: int, wait_s: float, stop: threading.Event | None = None) -> Nodes:
+    """Ask every node which clients it holds, until all ``num_clients`` are held (or ``wait_s`` passes, or ``stop``
+    is set: ``Stopped``)."""
     nodes, asked = Nodes(), set()
     deadline = time.monotonic() + wait_s
     while True:
         new = [n for n in grid.get_node_ids() if n not in asked]
         if new:
             queries = {n: FlowerMessage(RecordDict(), dst_node_id=n, message_type="query") for n in new}
-            exchange = Exchange(grid, timeout=max(1.0, deadline - time.monotonic()))
+            exchange = Exchange(grid, timeout=max(1.0, deadline - time.monotonic()), stop=stop)
             replies, _ = exchange(queries)  # a node that does not answer is asked again next time
             for node_id, reply in replies.items():
                 asked.add(node_id)
@@ -118,7 +143,7 @@ def discover(grid: Grid, num_clients: int, wait_s: float) -> Nodes:
                 f"after {wait_s:.0f} s no connected SuperNode holds clients {short(missing)} (of {num_clients}); "
                 f"{len(asked)} node(s) answered, holding {short(sorted(nodes.holder))}"
             )
-        time.sleep(0.5)
+        pause(0.5, stop)
 
 
 def register(nodes: Nodes, node_id: int, reply: FlowerMessage) -> None:
