@@ -248,6 +248,23 @@ def test_a_torn_metrics_line_before_a_comparison_resumes_is_one_warning_line(tmp
     assert outputs == [[f"warning: {metrics}: {TORN}"], [f"fedavg-s0: warning: {metrics}: {TORN}"]]
 
 
+def test_a_torn_metrics_line_in_a_report_is_one_warning_line(tmp_path, monkeypatch, capsys):
+    """fedhet report on a run killed mid-write: the torn line is one ``warning:`` line (it was a Python UserWarning
+    with its source line), and the table shows the rounds that were written."""
+    import warnings
+
+    out = tmp_path / "runs"
+    assert fedhet(monkeypatch, capsys, "run", *TINY, "-o", out, "--name", "torn")[0] == 0
+    metrics = out / "torn" / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write('{"round": 2, "test_a')
+    with warnings.catch_warnings(record=True) as raw:
+        warnings.simplefilter("always")
+        code, err = fedhet(monkeypatch, capsys, "report", out)
+    assert code == 0 and not [str(w.message) for w in raw], err
+    assert [line for line in err.splitlines() if "torn" in line] == [f"warning: {metrics}: {TORN}"], err
+
+
 # ---------------------------------------------------------------------------------------------- a killed simulation
 @pytest.mark.slow  # Ray start-up: about 30 s on two cores
 def test_ray_helpers_end_with_a_flower_simulation_killed_outright(tmp_path):

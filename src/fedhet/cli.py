@@ -356,6 +356,7 @@ def report(
     ] = None,
 ) -> None:
     """Summarise finished (or running) runs: a mean ± std table over seeds and accuracy-vs-round curves."""
+    from fedhet.engine.display import print_warning
     from fedhet.paths import check_folder, check_output_file
     from fedhet.results.html import write_html
     from fedhet.results.plots import PANELS, plot_curves
@@ -373,7 +374,7 @@ def report(
     chosen = [p for p in outputs.values() if p is not None]
     if len({os.path.abspath(p) for p in chosen}) < len(chosen):
         raise ConfigError("--markdown, --plot and --html must name different files")
-    loaded = load_runs(runs)
+    loaded = load_runs(runs, lambda text: print_warning(err_console, text))  # a torn line: one warning: line
     if not loaded:
         raise ConfigError(f"no run folders (with config.json and metrics.jsonl) under {', '.join(map(str, runs))}")
     groups = group_runs(loaded)

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fedhet.errors import FedhetError
-from fedhet.results.store import read_json, read_metrics
+from fedhet.results.store import Warn, read_json, read_metrics
 
 # where a run is: its folder and plug-in paths (where the code is, not a setting)
 LOCATION_KEYS = ("run.name", "run.out_dir", "run.plugins")
@@ -143,8 +143,9 @@ def is_percent(metric: str) -> bool:
     return "acc" in metric or metric == "attack/asr"
 
 
-def load_runs(paths: list[str | Path]) -> list[Run]:
-    """Runs in the given folders: each path is a run folder or any folder above run folders."""
+def load_runs(paths: list[str | Path], warn: Warn = None) -> list[Run]:
+    """Runs in the given folders: each path is a run folder or any folder above run folders. A torn last metrics
+    line is skipped with ``warn`` (else a Python warning)."""
     folders: list[Path] = []
     for path in map(Path, paths):
         if not path.exists():
@@ -153,13 +154,13 @@ def load_runs(paths: list[str | Path]) -> list[Run]:
         if not found:
             raise FedhetError(f"no runs (config.json + metrics.jsonl) under {path}")
         folders += [f for f in found if f not in folders]
-    return [load_run(folder) for folder in folders]
+    return [load_run(folder, warn) for folder in folders]
 
 
-def load_run(folder: Path) -> Run:
+def load_run(folder: Path, warn: Warn = None) -> Run:
     summary_path = folder / "summary.json"
     summary = read_json(summary_path, dict) if summary_path.exists() else {}
-    return Run(folder, read_json(folder / "config.json", dict), read_metrics(folder / "metrics.jsonl"), summary)
+    return Run(folder, read_json(folder / "config.json", dict), read_metrics(folder / "metrics.jsonl", warn), summary)
 
 
 def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
