@@ -63,16 +63,17 @@ class Sent140Params(LeafParams):
 
 def leaf_source(task: str, key: str) -> Source:
     """Where LEAF's ``data/`` folder of ``task`` may lie, and how to make it (``key``: LEAF's -k for it)."""
-    steps = f"git clone {LEAF_URL}, then in leaf/data/{task} run ./preprocess.sh -s niid --sf 1.0 -k {key} -t sample"
+    raw = ""
     if task == "celeba":
-        steps = (
+        raw = (
             "put identity_CelebA.txt, list_attr_celeba.txt and the img_align_celeba/ images from "
-            f"https://mmlab.ie.cuhk.edu.hk/projects/CelebA.html into leaf/data/celeba/data/raw/; {steps}"
+            "https://mmlab.ie.cuhk.edu.hk/projects/CelebA.html into leaf/data/celeba/data/raw/, "
         )
     return Source(
         f"leaf_{task}",
         (f"leaf_{task}", f"{task}/data", task, f"leaf/data/{task}/data", "data"),
-        f"Make the files with LEAF's scripts: {steps} (a smaller sample: --sf 0.05); the files are then in "
+        f"Make the files with LEAF's scripts: git clone {LEAF_URL}, {raw}then in leaf/data/{task} run "
+        f"./preprocess.sh -s niid --sf 1.0 -k {key} -t sample (a smaller sample: --sf 0.05); the files are then in "
         f"leaf/data/{task}/data/",
     )
 
