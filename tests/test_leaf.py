@@ -353,6 +353,14 @@ def test_a_malformed_file_is_one_line_naming_it(tmp_path, how):
     assert good.is_file()  # the reader changes nothing
 
 
+@pytest.mark.parametrize("which", ["leaf_femnist", "leaf_celeba", "leaf_sent140"])
+def test_files_without_training_samples_are_named(tmp_path, which):
+    (tmp_path / "raw" / "img_align_celeba").mkdir(parents=True)
+    write_leaf(tmp_path / "all_data", {})
+    with pytest.raises(DataError, match=f"^dataset '{which}': no training samples in {tmp_path}$"):
+        load_dataset(which, tmp_path)
+
+
 def test_a_user_in_two_files_names_both(tmp_path):
     pixels = [[0.5] * 784]
     first = write_leaf(tmp_path / "all_data", {"a": (pixels, [1])}, "all_data_0.json")

@@ -212,7 +212,8 @@ def user_arrays(train: Split, test: Split | None) -> tuple[list[str], np.ndarray
     index = {u: i for i, u in enumerate(users)}
 
     def groups(split: Split) -> np.ndarray:
-        return np.concatenate([np.full(len(split.y[u]), index[u], np.int64) for u in sorted(split.y)])
+        ids = [np.full(len(split.y[u]), index[u], np.int64) for u in sorted(split.y)]
+        return np.concatenate(ids) if ids else np.empty(0, np.int64)
 
     return users, groups(train), groups(test) if test and test.y else None
 
