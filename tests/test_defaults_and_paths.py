@@ -80,7 +80,12 @@ def test_list_models_shows_which_datasets_each_fits():
     result = CliRunner().invoke(app, ["list", "models"], env={"COLUMNS": "300"})
     assert result.exit_code == 0, result.output
     assert "fits datasets" in result.output
-    rows = {line.split("│")[1].strip(): line for line in result.output.splitlines() if line.startswith("│ ")}
+    rows: dict[str, str] = {}
+    last = ""
+    for line in (line for line in result.output.splitlines() if line.startswith("│ ")):
+        name = line.split("│")[1].strip()  # a row that wraps goes on in lines with an empty first cell
+        last = name or last
+        rows[last] = rows.get(last, "") + line
     assert "shakespeare" in rows["lstm"] and "digits" not in rows["lstm"]
     assert "digits" in rows["mlp"] and "synthetic" in rows["mlp"]
     assert "digits" not in rows["cnn"] and "cifar10" in rows["cnn"]

@@ -221,7 +221,8 @@ class PartitionSection(_Component):
 
 class ModelSection(_Component):
     # unset: a model that fits the dataset's input (cnn for images, mlp for digits and synthetic, lstm for
-    # shakespeare; models/fit.py), recorded in the run's config.json; fedhet list models shows which fit which
+    # shakespeare, logreg for leaf_sent140; models/fit.py), recorded in the run's config.json; fedhet list models
+    # shows which fit which
     name: str = "cnn"
 
 

@@ -392,13 +392,13 @@ def spread_leftovers(taken: list[list[int]], pools: dict[int, list[int]], expone
                 del pool[:take]
 
 
-@PARTITIONERS.register("natural", "the dataset's own users (Shakespeare roles, Synthetic users)", NoParams)
+@PARTITIONERS.register("natural", "the dataset's own users (Shakespeare roles, Synthetic and LEAF users)", NoParams)
 def natural(labels, num_clients, rng, *, groups=None, **params) -> list[np.ndarray]:
     """Client i is the i-th group in sorted order. With fewer clients than groups a seeded random subset of the
     groups is kept (sorted) and the samples of the other groups are dropped."""
     parse_params("natural", NoParams, params)
     if groups is None:
-        raise DataError("natural partition needs a dataset with natural groups (e.g. shakespeare, synthetic)")
+        raise DataError("natural partition needs a dataset with natural groups (e.g. shakespeare, synthetic, leaf_*)")
     check_clients("natural", len(labels), num_clients)
     names = np.unique(groups)
     if num_clients > len(names):

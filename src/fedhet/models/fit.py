@@ -5,8 +5,9 @@ vectors, or sequences of character indices. A model fits a dataset when it is bu
 (on PyTorch's meta device: no memory, no data), and sequence models (the LSTM, which embeds integer indices) take
 sequences and nothing else. ``model.name`` defaults to the model ``fedhet list models`` shows as fitting the
 dataset: the CNN for images large enough for it, the MLP for digits (8x8) and synthetic vectors, the LSTM for
-Shakespeare; a dataset from a plug-in keeps the historical default, the CNN. The resolved config (config.json)
-records the model chosen, so a run resumes with it whatever the default becomes.
+Shakespeare, logistic regression for LEAF's Sent140 (bags of words, as LEAF's baseline); a dataset from a plug-in
+keeps the historical default, the CNN. The resolved config (config.json) records the model chosen, so a run resumes
+with it whatever the default becomes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from fedhet.errors import ConfigError
 # the model a config without model.name gets, for a dataset not listed in DATASET_MODELS (and before this table: all)
 DEFAULT_MODEL = "cnn"
 # datasets whose inputs the CNN cannot take: the model that fits them
-DATASET_MODELS = {"digits": "mlp", "synthetic": "mlp", "shakespeare": "lstm"}
+DATASET_MODELS = {"digits": "mlp", "synthetic": "mlp", "shakespeare": "lstm", "leaf_sent140": "logreg"}
 # models that read sequences of integer indices (an embedding first), and only those
 SEQUENCE_MODELS = frozenset({"lstm"})
 
@@ -32,6 +33,14 @@ _IMAGES = {
     "cifar100": (3, 32, 32),
     "tinyimagenet": (3, 64, 64),
     "digits": (1, 8, 8),
+    "leaf_femnist": (1, 28, 28),
+}
+# datasets whose input size is a parameter: (task, the parameter, its default); an image's is its side, in colour
+_SIZED = {
+    "synthetic": ("tabular", "dim", 60),
+    "shakespeare": ("sequence", "seq_len", 80),
+    "leaf_celeba": ("image", "image_size", 84),
+    "leaf_sent140": ("tabular", "vocab_size", 5000),
 }
 
 
@@ -46,20 +55,18 @@ def dataset_input(dataset: str, params: dict[str, Any] | None = None) -> tuple[s
     name, params = str(dataset).lower(), params or {}
     if name in _IMAGES:
         return "image", _IMAGES[name]
-    task, key, default = {"synthetic": ("tabular", "dim", 60), "shakespeare": ("sequence", "seq_len", 80)}.get(
-        name, (None, None, None)
-    )
+    task, key, default = _SIZED.get(name, (None, None, None))
     if task is None:
         return None
     size = params.get(key, default)
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         return None  # a bad parameter: the dataset's own check words it
-    return task, (size,)
+    return task, (3, size, size) if task == "image" else (size,)
 
 
 def datasets() -> list[str]:
     """The datasets whose input is known, in the order ``fedhet list datasets`` shows them."""
-    return sorted([*_IMAGES, "synthetic", "shakespeare"])
+    return sorted([*_IMAGES, *_SIZED])
 
 
 def why_not(model: str, task: str, shape: tuple[int, ...], params: dict[str, Any] | None = None) -> str | None:
