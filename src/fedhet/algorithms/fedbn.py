@@ -24,7 +24,11 @@ the personalised accuracy (``personal_acc_micro`` / ``personal_acc_macro``, whic
 current averaged layers with its own BatchNorm parameters and statistics. The engine's ``test_acc`` scores the
 averaged layers with the initial BatchNorm layers (what a new client starts from) on the global test set: a
 diagnostic, not a FedBN result. A client that has never trained has no BatchNorm layers of its own and is counted
-as never sampled.
+as never sampled. A client's statistics were gathered under its own trained layers, not the averaged ones it is
+scored with (as in the official evaluation), so with large local drift they fit poorly and the personalised
+accuracy swings: ``fedhet run -d digits -a fedbn -m cnn_bn -s 'model.channels=[16,16,32]' -s 'model.hidden=[64,32]'
+-n 6 -r 15 -s partition.local_test_fraction=0.2 -s train.batch_size=32 -s train.lr=0.02`` reaches 94 % by round 15
+with ``-p iid`` (feature-alike clients, FedBN's setting) and swings between 13 and 40 % under Dirichlet 0.5 labels.
 
 Which layers: every BatchNorm module of the model (``nn.BatchNorm1d/2d/3d``). The official code keeps the state-dict
 keys containing ``bn``, which in its models are exactly the BatchNorm layers. A model without BatchNorm is refused
