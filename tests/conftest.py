@@ -13,9 +13,13 @@ def _few_threads():
     yield
 
 
+# FedBN's digit CNN, narrowed so a run on digits takes about a second: tiny_config's model for fedbn
+BATCHNORM_MODEL = {"name": "cnn_bn", "channels": [4, 4, 8], "hidden": [16]}
+
+
 @pytest.fixture
 def tiny_config(tmp_path):
-    """A federated run on sklearn digits that takes about a second."""
+    """A federated run on sklearn digits that takes about a second (fedbn gets ``BATCHNORM_MODEL``)."""
 
     def make(**sections):
         raw = {
@@ -27,6 +31,8 @@ def tiny_config(tmp_path):
             "train": {"participation": 0.5, "local_epochs": 1, "batch_size": 16, "lr": 0.1},
             "algorithm": {"name": "fedavg"},
         }
+        if sections.get("algorithm", {}).get("name") == "fedbn" and "model" not in sections:
+            raw["model"] = BATCHNORM_MODEL  # FedBN refuses a model without BatchNorm layers
         for name, values in sections.items():
             # a component given by a new name starts from its own defaults, not the previous one's parameters
             replace = name in ("algorithm", "server") or (name in ("partition", "model") and "name" in values)

@@ -13,6 +13,11 @@ An algorithm is one file holding one ``Algorithm`` subclass:
 * Server side: ``configure(round, clients, phase)`` builds the messages and ``aggregate(round, replies, phase)``
   folds the replies into the global model. The final model step goes through a composable server optimiser
   (``fedhet.algorithms.server_opt``), so FedAvgM/FedAdam work with any client method.
+* Normalisation buffers (BatchNorm's running mean and variance, the model's floating buffers) follow one rule: the
+  server averages them with the algorithm's aggregation weights and sends the average with the model, except the
+  entries of ``kept_buffers``, which stay on each client (in its state) and which the server never moves (FedBN:
+  every BatchNorm layer's; FedPer: those of its personalisation layers). A personalised model is scored with the
+  buffers ``personal_buffers`` gives (by default the global ones).
 * State: ``client_state`` is client-held persistent state (control variates, previous models), stored by the engine's
   state store between rounds; server-held state (global model, per-client duals) is returned by ``state_dict``.
 * Rounds with several exchanges list their ``phases``; each phase is a configure / train / aggregate triple.
@@ -79,6 +84,9 @@ class Algorithm:
         # a robust server.aggregation rule and/or server.norm_bound (algorithms/robust.py)
         self.robust: RobustAggregator | None = None
         self.privacy: CentralDP | LocalDP | None = None  # [privacy]'s server half (algorithms/privacy.py)
+        # indices into the flat buffer vector of the buffers that stay on each client and that the server never
+        # moves (FedBN: every BatchNorm layer's statistics); None: every buffer is averaged (the default rule)
+        self.kept_buffers: torch.Tensor | None = None
 
     @classmethod
     def accepts_gne(cls) -> bool:
@@ -176,8 +184,14 @@ class Algorithm:
         return [s / total for s in sizes]
 
     def average_buffers(self, replies: dict[int, Reply], weights: list[float]) -> None:
-        if self.global_buffers is not None and self.global_buffers.numel():
-            self.global_buffers = weighted_sum([r.tensors["buffers"] for r in replies.values()], weights)
+        """The buffer rule's server half: the weighted average of the replied buffers, except ``kept_buffers``,
+        which keep their global values bit for bit (the clients keep their own)."""
+        if self.global_buffers is None or not self.global_buffers.numel():
+            return
+        averaged = weighted_sum([r.tensors["buffers"] for r in replies.values()], weights)
+        if self.kept_buffers is not None:
+            averaged[self.kept_buffers] = self.global_buffers[self.kept_buffers]
+        self.global_buffers = averaged
 
     def round_metrics(self, rnd: int) -> dict[str, float]:
         """Extra server-side values to log at an evaluation round (aggregation weights, duals, ...)."""
@@ -263,6 +277,11 @@ class Algorithm:
         state; it may train (a fine-tuning step) but only on ``ctx.data.x`` / ``ctx.data.y``, never on the test
         split. Return None when this client has no personalised model."""
         return None
+
+    def personal_buffers(self, ctx: ClientContext) -> torch.Tensor | None:
+        """The buffers (normalisation statistics) to score the client's personalised model with: the received
+        global ones, unless the algorithm keeps some on the client (``kept_buffers``). None: the model has none."""
+        return ctx.message.tensors.get("buffers")
 
     def client_update(self, ctx: ClientContext) -> Reply:
         return train_locally(self, ctx)

@@ -29,8 +29,11 @@ Differences from the references:
 
 * Aggregation weights: by client samples (``weighting = "samples"``, PFLlib and the paper's FedAvg); the official
   FedBABU repository's FedPer averages uniformly (``weighting = "uniform"``).
-* Buffers (BatchNorm running statistics) are averaged with the base even inside personal layers: only parameters
-  are personal (PFLlib's personal ``head`` is a Linear layer, which has none).
+* Buffers (BatchNorm running statistics): those of the personalisation layers are personal too (the buffer rule's
+  ``kept_buffers``: kept in ``ctx.state["personal_buffers"]``, never moved by the server, and used to score the
+  personalised model), the others are averaged with the base. PFLlib's personal ``head`` is a Linear layer, which
+  has none; a personalisation layer with BatchNorm appears with ``personal_layers`` >= 2 on a model such as
+  ``cnn_bn``.
 * Optimiser: the shared loop's (``train``'s momentum, weight decay and clipping act on all layers, personal ones
   included); PFLlib uses plain SGD, the FedBABU repository SGD with momentum 0.9.
 """
@@ -44,12 +47,13 @@ from pydantic import Field
 
 from fedhet.algorithms.base import ALGORITHMS, ClientContext, Reply, Setup
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
-from fedhet.algorithms.partial import KeptSlice, top_layers
+from fedhet.algorithms.partial import KeptSlice, owned_indices, top_layers
 
 if TYPE_CHECKING:
     from fedhet.algorithms.server_opt import ServerOptimizer
 
 PERSONAL = "personal"  # the client-state key of the personalisation layers' values
+PERSONAL_BUFFERS = "personal_buffers"  # and of their buffers (BatchNorm statistics), where they have any
 
 
 class FedPerConfig(FedAvgConfig):  # weighting "samples": PFLlib's aggregation (official FedBABU repo: uniform)
@@ -74,6 +78,9 @@ class FedPer(KeptSlice, FedAvg):
         self.kept, self.personal_modules = top_layers(
             setup.build_model, config.personal_layers, "algorithm.personal_layers"
         )
+        with torch.random.fork_rng(devices=[]):  # building draws weights; the run's random stream must not move
+            _, kept = owned_indices(setup.build_model(), self.personal_modules, setup.device)
+        self.kept_buffers = kept if kept.numel() else None  # the buffer rule: these stay on the clients
 
     # ----------------------------------------------------------------- server side: KeptSlice.aggregate
 
@@ -82,10 +89,15 @@ class FedPer(KeptSlice, FedAvg):
         own = ctx.state.get(PERSONAL)
         if own is not None:
             ctx.flat.params[self.kept] = own
+        if PERSONAL_BUFFERS in ctx.state:
+            ctx.flat.buffers[self.kept_buffers] = ctx.state[PERSONAL_BUFFERS]
 
     def after_local(self, ctx: ClientContext) -> Reply:
         ctx.state[PERSONAL] = ctx.flat.params[self.kept].clone()
         ctx.flat.params[self.kept] = ctx.global_params[self.kept]  # the personalisation layers never leave
+        if self.kept_buffers is not None:
+            ctx.state[PERSONAL_BUFFERS] = ctx.flat.buffers[self.kept_buffers].clone()
+            ctx.flat.buffers[self.kept_buffers] = ctx.message.tensors["buffers"][self.kept_buffers]
         return super().after_local(ctx)
 
     def personalize(self, ctx: ClientContext) -> torch.Tensor | None:
@@ -96,3 +108,12 @@ class FedPer(KeptSlice, FedAvg):
         params = ctx.global_params.clone()
         params[self.kept] = own
         return params
+
+    def personal_buffers(self, ctx: ClientContext) -> torch.Tensor | None:
+        """The global buffers with this client's own statistics in its personalisation layers."""
+        buffers = super().personal_buffers(ctx)
+        if buffers is None or PERSONAL_BUFFERS not in ctx.state:
+            return buffers
+        buffers = buffers.clone()
+        buffers[self.kept_buffers] = ctx.state[PERSONAL_BUFFERS]
+        return buffers

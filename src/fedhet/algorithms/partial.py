@@ -1,5 +1,5 @@
-"""What FedPer and FedBABU share: the last layers of the model as one slice of the flat parameter vector that the
-server never moves.
+"""What FedPer, FedBABU and FedBN share: parts of the flat parameter vector that the server never moves (the last
+layers of the model as one slice; FedBN's BatchNorm layers as an index), and the indices of what a module owns.
 
 A *layer* is a module that owns parameters directly (a Linear, a convolution, a normalisation layer), counted from
 the output: layer 1 is the head, layer 2 the module just below it, and so on. ``FedModel`` registers the body before
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from fedhet.algorithms.base import Reply, weighted_sum
 from fedhet.errors import ConfigError
@@ -61,11 +62,30 @@ class KeptSlice:
         return {}
 
 
-def step_keeping(server_opt: ServerOptimizer, params: torch.Tensor, target: torch.Tensor, keep: slice) -> torch.Tensor:
-    """The server optimiser's step from ``params`` toward ``target`` with the slice ``keep`` left at its values: a
-    zero pseudo-gradient there, and the old values put back after the step (an average of equal values need not
-    round back to them, and no server optimiser may move the slice)."""
+def step_keeping(
+    server_opt: ServerOptimizer, params: torch.Tensor, target: torch.Tensor, keep: slice | torch.Tensor
+) -> torch.Tensor:
+    """The server optimiser's step from ``params`` toward ``target`` with ``keep`` (a slice or an index tensor) left
+    at its values: a zero pseudo-gradient there, and the old values put back after the step (an average of equal
+    values need not round back to them, and no server optimiser may move them)."""
     target[keep] = params[keep]
     stepped = server_opt.step(params, target)
     stepped[keep] = params[keep]
     return stepped
+
+
+def owned_indices(model: nn.Module, modules: list[str], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices into the flat parameter and flat buffer vectors of what the named modules own directly (their
+    weights and biases; their floating buffers, e.g. BatchNorm's running mean and variance)."""
+    flat, owned = FlatModel(model), set(modules)
+
+    def index(slices: dict[str, slice]) -> torch.Tensor:
+        spans = [torch.arange(s.start, s.stop) for name, s in slices.items() if name.rpartition(".")[0] in owned]
+        return (torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)).to(device)
+
+    return index(flat.slices()), index(flat.buffer_slices())
+
+
+def batchnorm_layers(model: nn.Module) -> list[str]:
+    """The names of the model's BatchNorm modules (1d, 2d, 3d, synchronised), in registration order."""
+    return [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]

@@ -113,8 +113,9 @@ class ClientRunner:
         if personal is None:
             return None
         self.flat.set_params(personal)
-        if "buffers" in msg.tensors:  # normalisation statistics: the global ones, never a previous client's leftovers
-            self.flat.set_buffers(msg.tensors["buffers"])
+        buffers = self.algo.personal_buffers(ctx)  # the global ones or the client's own: never a previous client's
+        if buffers is not None:
+            self.flat.set_buffers(buffers)
         stats = evaluate(self.model, data.x_test, data.y_test, data.num_classes, batch_size)
         return int(round(stats.correct.sum())), stats.n
 

@@ -81,6 +81,17 @@ class FlatModel(FlatVectors):
                 offset += p.numel()
         return out
 
+    def buffer_slices(self) -> dict[str, slice]:
+        """Where each named floating buffer lives in the flat buffer vector (integer buffers such as BatchNorm's
+        ``num_batches_tracked`` are not in it)."""
+        out: dict[str, slice] = {}
+        offset = 0
+        for name, b in self.model.named_buffers():
+            if b.is_floating_point():
+                out[name] = slice(offset, offset + b.numel())
+                offset += b.numel()
+        return out
+
 
 def weighted_sum(vectors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
     """sum_i w_i v_i without stacking (memory stays at one vector)."""
