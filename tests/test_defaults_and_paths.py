@@ -97,7 +97,7 @@ def test_a_model_that_cannot_take_the_input_names_those_that_can(tmp_path, monke
     args = ["run", "-d", "digits", "-m", "cnn", "-r", "1", "-n", "4", "-o", tmp_path / "runs", *QUIET]
     line = one_error_line(*fedhet(monkeypatch, capsys, *args))
     assert "model 'cnn' cannot take the inputs of dataset 'digits'" in line
-    assert "models that fit digits: convnet, logreg, mlp, resnet18" in line
+    assert "models that fit digits: cnn_bn, convnet, logreg, mlp, resnet18" in line
     assert not (tmp_path / "runs").exists()
     with pytest.raises(ConfigError, match="models that fit shakespeare: lstm"):
         build_config({"dataset": {"name": "shakespeare"}, "model": {"name": "mlp"}})
