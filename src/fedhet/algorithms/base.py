@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
     from fedhet.algorithms.gne import GNE
     from fedhet.algorithms.robust import RobustAggregator
+    from fedhet.config import TrainSection
     from fedhet.models.base import FedModel
 
 ALGORITHMS = Registry("algorithm", section="algorithm")
@@ -79,6 +80,17 @@ class Algorithm:
         # a robust server.aggregation rule and/or server.norm_bound (algorithms/robust.py)
         self.robust: RobustAggregator | None = None
         self.privacy: CentralDP | LocalDP | None = None  # [privacy]'s server half (algorithms/privacy.py)
+
+    # Why this method's math holds for SGD local steps only (its server reads a client's update as gradient steps of
+    # size lr), completing "<name> ...": ``train.optimizer = adam | adamw`` is refused with it. Inherited.
+    sgd_only: ClassVar[str | None] = None
+
+    @classmethod
+    def optimizer_refusal(cls, config: AlgoConfig, train: TrainSection) -> str | None:
+        """Why this method cannot train with ``train``'s local optimiser, in one line, or None (it can)."""
+        if train.optimizer != "sgd" and cls.sgd_only:
+            return f"{cls.name} {cls.sgd_only}; use train.optimizer='sgd'"
+        return None
 
     @classmethod
     def accepts_gne(cls) -> bool:
