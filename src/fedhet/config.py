@@ -154,11 +154,23 @@ class TrainSection(_Strict):
     local_epochs: float = Field(1.0, gt=0.0)  # passes over its data a client makes per round
     local_steps: int | None = Field(None, ge=1)  # a fixed number of local steps, overrides local_epochs
     batch_size: int = Field(64, ge=1)  # local mini-batch size
-    lr: float = Field(0.01, gt=0.0)  # client learning rate (SGD)
+    # the clients' local optimiser (torch.optim's SGD, Adam, AdamW on the flat parameter vector); scaffold, fednova
+    # and qfedavg read the local steps as SGD steps and refuse adam and adamw
+    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    lr: float = Field(0.01, gt=0.0)  # client learning rate
     lr_decay: float = Field(1.0, gt=0.0, le=1.0)  # per-round multiplicative client lr decay (FedRCL: 0.998)
-    momentum: float = Field(0.0, ge=0.0, lt=1.0)  # client SGD momentum (reset every round)
-    nesterov: bool = False  # Nesterov momentum (needs momentum > 0)
-    weight_decay: float = Field(0.0, ge=0.0)  # client L2 weight decay
+    momentum: float = Field(0.0, ge=0.0, lt=1.0)  # client SGD momentum (sgd only)
+    nesterov: bool = False  # Nesterov momentum (sgd only; needs momentum > 0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)  # adam/adamw: decay of the gradient's running mean (torch's default)
+    beta2: float = Field(0.999, ge=0.0, lt=1.0)  # adam/adamw: decay of the squared gradient's mean (torch's default)
+    eps: float = Field(1e-8, gt=0.0)  # adam/adamw: added to the denominator (torch's default)
+    # sgd and adam: L2 weight decay added to the gradient; adamw: decoupled decay w <- w (1 - lr wd) (torch's AdamW
+    # default is 0.01; here 0 for every optimiser, so switching optimiser adds no decay)
+    weight_decay: float = Field(0.0, ge=0.0)
+    # "reset": the optimiser's state (momentum buffer, Adam's moments and step count) starts anew every round, the
+    # common practice; "client": each client keeps its own in the client-state store (run.client_state) from one
+    # round it trains in to the next, one per phase, checkpointed with the run
+    optimizer_state: Literal["reset", "client"] = "reset"
     grad_clip: float | None = Field(None, gt=0.0)  # max global gradient norm
     augment: Literal["none", "crop_flip", "crop_flip_rotate", "crop"] = "none"  # client-side image augmentation
     # the local forward pass and loss in float32, or under bfloat16 autocast (weights, gradients and the update stay
@@ -180,6 +192,31 @@ class TrainSection(_Strict):
     def _nesterov_needs_momentum(self) -> TrainSection:
         if self.nesterov and self.momentum == 0:  # torch.optim.SGD refuses it too
             raise ValueError(f"train.nesterov=true needs train.momentum > 0 (got momentum {self.momentum})")
+        return self
+
+    @model_validator(mode="after")
+    def _settings_of_the_optimizer(self) -> TrainSection:
+        """A setting of another optimiser than the one chosen would be silently ignored: refused instead."""
+        if self.optimizer != "sgd" and self.momentum:
+            raise ValueError(
+                f"train.momentum is sgd's; with train.optimizer={self.optimizer!r} the gradient's running mean "
+                f"decays by train.beta1 (got momentum {self.momentum}; unset it or use optimizer 'sgd')"
+            )
+        if self.optimizer == "sgd":
+            fields = type(self).model_fields
+            changed = [k for k in ("beta1", "beta2", "eps") if getattr(self, k) != fields[k].default]
+            if changed:
+                given = ", ".join(f"train.{k}={getattr(self, k)} (default {fields[k].default})" for k in changed)
+                what = "are settings" if len(changed) > 1 else "is a setting"
+                raise ValueError(
+                    f"{given} {what} of optimizer 'adam' and 'adamw', and train.optimizer is 'sgd'; "
+                    "choose one of them or leave the default"
+                )
+            if self.optimizer_state == "client" and not self.momentum:
+                raise ValueError(
+                    "train.optimizer_state='client' keeps the optimiser's state across rounds, and sgd without "
+                    "momentum has none; set train.momentum > 0, use optimizer 'adam' or 'adamw', or 'reset'"
+                )
         return self
 
 

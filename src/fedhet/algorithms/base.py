@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
     from fedhet.algorithms.gne import GNE
     from fedhet.algorithms.robust import RobustAggregator
+    from fedhet.config import TrainSection
     from fedhet.models.base import FedModel
 
 ALGORITHMS = Registry("algorithm", section="algorithm")
@@ -87,6 +88,17 @@ class Algorithm:
         # indices into the flat buffer vector of the buffers that stay on each client and that the server never
         # moves (FedBN: every BatchNorm layer's statistics); None: every buffer is averaged (the default rule)
         self.kept_buffers: torch.Tensor | None = None
+
+    # Why this method's math holds for SGD local steps only (its server reads a client's update as gradient steps of
+    # size lr), completing "<name> ...": ``train.optimizer = adam | adamw`` is refused with it. Inherited.
+    sgd_only: ClassVar[str | None] = None
+
+    @classmethod
+    def optimizer_refusal(cls, config: AlgoConfig, train: TrainSection) -> str | None:
+        """Why this method cannot train with ``train``'s local optimiser, in one line, or None (it can)."""
+        if train.optimizer != "sgd" and cls.sgd_only:
+            return f"{cls.name} {cls.sgd_only}; use train.optimizer='sgd'"
+        return None
 
     @classmethod
     def accepts_gne(cls) -> bool:

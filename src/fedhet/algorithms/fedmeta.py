@@ -12,7 +12,9 @@ own), and the fine-tuned model is the new global model:
 FedUFO (Sec. 4.1.1): "for FedMeta, 10% data of every client are used to construct the meta data that finetune the
 aggregated global model in each iteration", and "we use the SGD optimizer in both client and server, with 0.01 as
 learning rate, 0.9 as momentum and 0.0002 as weight decay" (notes/fedufo.md reading 14: the server SGD is this
-fine-tuning). So the fine-tuning's optimiser defaults to the run's ``train`` settings.
+fine-tuning). So the fine-tuning's optimiser defaults to the run's ``train`` settings, ``train.optimizer``
+included (with Adam or AdamW the ``meta_*`` settings other than ``meta_momentum`` apply; its state starts anew at
+every fine-tuning, whatever ``train.optimizer_state`` says, since the server is no client).
 
 Choices where FedUFO is silent (each a Config field): one epoch over the meta data per round (``meta_epochs``); the
 meta data are a random ``meta_fraction`` of each client's training samples (at least one), drawn once from the run
@@ -38,6 +40,7 @@ from fedhet.toolkit.flat import FlatModel
 
 if TYPE_CHECKING:
     from fedhet.algorithms.server_opt import ServerOptimizer
+    from fedhet.config import TrainSection
     from fedhet.data.federated import FederatedDataset
 
 
@@ -69,6 +72,15 @@ class FedMeta(FedAvg):
     Config = FedMetaConfig
     batchable = True  # the clients are FedAvg's; the fine-tuning runs on the server
     shares_data = True
+
+    @classmethod
+    def optimizer_refusal(cls, config: FedMetaConfig, train: TrainSection) -> str | None:  # type: ignore[override]
+        if train.optimizer != "sgd" and config.meta_momentum:
+            return (
+                f"fedmeta's server fine-tunes with the clients' optimiser, and algorithm.meta_momentum="
+                f"{config.meta_momentum} is sgd's momentum; unset it or use train.optimizer='sgd'"
+            )
+        return super().optimizer_refusal(config, train)
 
     def __init__(self, config: FedMetaConfig, setup: Setup, server_opt: ServerOptimizer | None = None) -> None:
         super().__init__(config, setup, server_opt)

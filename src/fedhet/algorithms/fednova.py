@@ -32,6 +32,9 @@ use the exact one (each step's direction is g + rho * buf, so it adds 1 + rho * 
 of the gradient, as in the official code; ``train.grad_clip`` (which the official code does not have) clips the
 gradient including the proximal term where that term enters the buffer. The official code sets tau_eff from the raw
 step counts when mu != 0; we keep tau_eff = sum_i p_i a_i as in the paper.
+
+Local optimiser: SGD only (``train.optimizer = "sgd"``). The paper's local solvers are linear in the gradients
+(d_i = lr G_i a_i); Adam's update is not, so a_i does not exist and Adam / AdamW are refused.
 """
 
 from __future__ import annotations
@@ -94,6 +97,10 @@ def prox_in_buffer(train: TrainSection) -> bool:
 class FedNova(Algorithm):
     name = "fednova"
     Config = FedNovaConfig
+    sgd_only = (
+        "divides each client's update by a_i, the sum of the coefficients with which its gradients enter it, which "
+        "exists for SGD (momentum, Nesterov, a proximal term) and not for Adam's per-coordinate normalised steps"
+    )
     batchable = True  # default loss, hooks on the flat vectors only (engine/batched.py)
 
     def __init__(self, *args, **kwargs) -> None:

@@ -39,9 +39,10 @@ code exists (the repositories named FedUFO on GitHub are unrelated, notes sec. 1
 * D is a federated component averaged with the model (2.5.3; ``discriminator = "private"`` keeps one per client as
   client state, as FedRoD's personal head; the notes' third reading, a server-held D, is not offered since nothing
   would train it); ``disc_mode`` (below) offers two readings in which D never carries over; it keeps training in
-  stage two (2.5.5, ``disc_in_stage_two``); it trains after the model in each
-  round for ``disc_epochs`` = 1 epoch with the loop's SGD settings and the round's lr but no gradient clipping
-  (2.5.4), on features computed once per round in eval mode (the model is frozen then, so they are constants);
+  stage two (2.5.5, ``disc_in_stage_two``); it trains after the model in each round for ``disc_epochs`` = 1 epoch
+  with the loop's optimiser (``train.optimizer`` and its settings, its state fresh every round) and the round's lr
+  but no gradient clipping (2.5.4), on features computed once per round in eval mode (the model is frozen then, so
+  they are constants);
   ``disc_schedule = "step"`` alternates per mini-batch instead (one D step on each batch right after the model's
   step, same optimiser settings), so D follows the features within the round;
 * KL(teacher || student) with batchmean reduction and no temperature (2.5.7; PyTorch's ``kl_div(log y^, y~)``);
@@ -88,7 +89,7 @@ from fedhet.algorithms.base import ALGORITHMS, ClientContext, Message, Reply, Se
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedhet.models.discriminator import ClientDiscriminator
 from fedhet.toolkit.flat import FlatModel
-from fedhet.toolkit.local import FlatSGD, batch_indices, derive_seed, num_local_steps
+from fedhet.toolkit.local import FlatOptimizer, batch_indices, derive_seed, local_optimizer, num_local_steps
 
 if TYPE_CHECKING:
     from fedhet.algorithms.server_opt import ServerOptimizer
@@ -545,16 +546,16 @@ class FedUFO(FedAvg):
             return self.other_features(ctx, x)
         return [(f[ctx.batch], cid) for f, cid in cached]
 
-    def disc_optimizer(self, ctx: ClientContext) -> FlatSGD:
-        """SGD with the loop's settings on D's slice only (no gradient clipping)."""
-        disc, t = self.disc_slice(), ctx.train
+    def disc_optimizer(self, ctx: ClientContext) -> FlatOptimizer:
+        """The loop's optimiser and settings on D's slice only (no gradient clipping), fresh every round."""
+        disc = self.disc_slice()
         view = SimpleNamespace(params=ctx.flat.params[disc], grad=ctx.flat.grad[disc])
-        return FlatSGD(view, ctx.lr, t.momentum, t.weight_decay, t.nesterov)
+        return local_optimizer(view, ctx.lr, ctx.train)
 
     def disc_step(
-        self, ctx: ClientContext, opt: FlatSGD, own: torch.Tensor, others: list[tuple[torch.Tensor, int]]
+        self, ctx: ClientContext, opt: FlatOptimizer, own: torch.Tensor, others: list[tuple[torch.Tensor, int]]
     ) -> float:
-        """One SGD step of D on Eq. 5 for one batch of features; returns the loss."""
+        """One optimiser step of D on Eq. 5 for one batch of features; returns the loss."""
         ctx.flat.zero_grad()
         loss = discriminator_loss(getattr(ctx.model, DISC), own, ctx.cid, others)
         loss.backward()
@@ -563,7 +564,7 @@ class FedUFO(FedAvg):
         return float(loss.detach())
 
     def train_discriminator(self, ctx: ClientContext) -> float:
-        """Eq. 5 for ``disc_epochs`` epochs with the model frozen: SGD on D's slice only. Returns the mean loss."""
+        """Eq. 5 for ``disc_epochs`` epochs with the model frozen: steps on D's slice only. Returns the mean loss."""
         n = len(ctx.data)
         if self.config.disc_epochs == 0 or ctx.message.tensors.get("group") is None or n == 0:
             return 0.0

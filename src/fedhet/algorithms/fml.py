@@ -19,10 +19,11 @@ log-softmax against the other model's detached softmax, both losses backpropagat
 ``Node.py``: the private model is built once per node with its own random initialisation and its optimiser lives
 as long as the node, while the meme model and its optimiser are renewed from the global model every round).
 Followed: the losses, the simultaneous steps, a private model with its own random initialisation
-(``private_init = "random"``, seeded per client) and a private momentum buffer kept across rounds. Deviations: the
-private model has the global model's architecture (FML allows another; fedhet's models are one per run); the
-private model steps with the run's ``train`` settings (lr of the round, momentum, weight decay, Nesterov, clipping)
-where the official code hard-codes weight decay 5e-4; ``private_init = "global"`` (a copy of the first global model
+(``private_init = "random"``, seeded per client) and a private optimiser state (momentum buffer, or Adam's moments)
+kept across rounds whatever ``train.optimizer_state`` says. Deviations: the private model has the global model's
+architecture (FML allows another; fedhet's models are one per run); the private model steps with the run's ``train``
+settings (optimiser, lr of the round, momentum, weight decay, Nesterov, clipping) where the official code hard-codes
+weight decay 5e-4; ``private_init = "global"`` (a copy of the first global model
 the client receives) is offered as a variant.
 """
 
@@ -37,12 +38,14 @@ from pydantic import Field
 from fedhet.algorithms.base import ALGORITHMS, ClientContext, Reply, Setup
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
 from fedhet.toolkit.flat import FlatModel
-from fedhet.toolkit.local import FlatSGD, clip_grad_norm
+from fedhet.toolkit.local import clip_grad_norm, local_optimizer
 
 if TYPE_CHECKING:
     from fedhet.algorithms.server_opt import ServerOptimizer
 
-PRIVATE, MOMENTUM = "private", "private_momentum"
+PRIVATE = "private"
+PRIVATE_OPT = "private_"  # the prefix of the private optimiser's state in the client's state
+MOMENTUM = PRIVATE_OPT + "momentum"  # its SGD momentum buffer (Adam: private_exp_avg, _exp_avg_sq, _step)
 
 
 class FMLConfig(FedAvgConfig):
@@ -96,8 +99,8 @@ class FML(FedAvg):
         flat.set_params(ctx.state[PRIVATE])
         model.train()
         t = ctx.train
-        opt = FlatSGD(flat, ctx.lr, t.momentum, t.weight_decay, t.nesterov)
-        opt.buf = ctx.state[MOMENTUM].clone() if MOMENTUM in ctx.state else None
+        opt = local_optimizer(flat, ctx.lr, t)
+        opt.load(ctx.state, PRIVATE_OPT)  # kept across rounds, as the official node's optimiser
         ctx.scratch.update(private_opt=opt, private_loss=0.0)
 
     def local_loss(self, ctx: ClientContext, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -115,9 +118,7 @@ class FML(FedAvg):
     def after_local(self, ctx: ClientContext) -> Reply:
         _, flat = self.private_model()
         ctx.state[PRIVATE] = flat.get_params()
-        buf = ctx.scratch["private_opt"].buf
-        if buf is not None:
-            ctx.state[MOMENTUM] = buf.clone()
+        ctx.scratch["private_opt"].save(ctx.state, PRIVATE_OPT)
         reply = super().after_local(ctx)
         reply.metrics["private_loss"] = ctx.scratch["private_loss"] / max(ctx.steps, 1)
         return reply

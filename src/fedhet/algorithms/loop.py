@@ -10,7 +10,14 @@ from torch.func import functional_call
 
 from fedhet.algorithms.privacy import dp_sgd_gradient
 from fedhet.toolkit.flat import named_views, parameter_layout
-from fedhet.toolkit.local import FlatSGD, batch_indices, clip_grad_norm, num_local_steps, precision_context
+from fedhet.toolkit.local import (
+    batch_indices,
+    clip_grad_norm,
+    local_optimizer,
+    num_local_steps,
+    optimizer_state_prefix,
+    precision_context,
+)
 
 if TYPE_CHECKING:
     from fedhet.algorithms.contract import ClientContext, Reply
@@ -29,7 +36,10 @@ def train_locally(algo: Any, ctx: ClientContext) -> Reply:
     ctx.model.train()
     algo.before_local(ctx)
     t = ctx.train
-    opt = FlatSGD(ctx.flat, ctx.lr, t.momentum, t.weight_decay, t.nesterov)
+    opt = local_optimizer(ctx.flat, ctx.lr, t)
+    kept = t.optimizer_state == "client"  # the client's optimiser state from the last round it trained in
+    if kept:
+        opt.load(ctx.state, optimizer_state_prefix(ctx.phase))
     ctx.scratch["optimizer"] = opt
     dp = getattr(algo.setup, "privacy", None)
     private = flat_loss(algo, ctx) if dp is not None and dp.mode == "local" else None
@@ -60,6 +70,8 @@ def train_locally(algo: Any, ctx: ClientContext) -> Reply:
         algo.after_step(ctx)
     for value in torch.stack(losses).tolist() if losses else []:  # the same float sum as one float() per step
         ctx.loss_sum += value
+    if kept:
+        opt.save(ctx.state, optimizer_state_prefix(ctx.phase))
     return algo.after_local(ctx)
 
 

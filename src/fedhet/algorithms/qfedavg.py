@@ -15,6 +15,9 @@ Readings, as config:
   q-FedAvg, which samples uniformly and weights both sums by client size.
 * ``h_norm``: "scaled" uses ||L (x - x_k)||^2 as q-FFL (paper and ``norm_grad(grads)`` in its code); "unscaled"
   uses ||x - x_k||^2, as the FedBC code does (it never multiplies that norm by L^2).
+
+Local optimiser: SGD only (``train.optimizer = "sgd"``): L (x - x_k) estimates the gradient only for gradient steps
+of size 1 / L, as in the paper and its code, so Adam / AdamW are refused.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ class QFedAvgConfig(AlgoConfig):
 class QFedAvg(Algorithm):
     name = "qfedavg"
     Config = QFedAvgConfig
+    sgd_only = (
+        "reads a client's update as a gradient, L (x - x_k) with L = 1 / lr, which holds for SGD steps and not for "
+        "Adam's per-coordinate normalised steps"
+    )
     unbatchable_reason = "before_local evaluates the received model through ctx.model"
 
     # ----------------------------------------------------------------- server side

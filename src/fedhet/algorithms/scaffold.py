@@ -23,6 +23,10 @@ round 1 to 2; 2x at rho = 0.5 in FedBC's Synthetic benchmark). So by default K i
 (FedNTD's ``adaptive_divison``), (K - rho (1 - rho^K) / (1 - rho)) / (1 - rho), the exact coefficient sum, and c_i+
 is the mean corrected gradient again (Nesterov: its own exact count). With plain SGD it is K, i.e. option II
 exactly; ``momentum_correction = false`` divides by K eta_l whatever the momentum.
+
+Local optimiser: SGD only (``train.optimizer = "sgd"``), as the paper and its analysis; option II's estimate is a
+mean gradient only for gradient steps of size eta_l, so Adam / AdamW are refused rather than run with a control
+variate that is not one.
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ class ScaffoldConfig(AlgoConfig):
 class Scaffold(Algorithm):
     name = "scaffold"
     Config = ScaffoldConfig
+    sgd_only = (
+        "estimates each client's mean corrected gradient as (x - y_i) / (K lr) (option II), which holds for SGD "
+        "steps (with momentum: its effective K) and not for Adam's per-coordinate normalised steps"
+    )
     batchable = True  # default loss, hooks on the flat vectors only (engine/batched.py)
     central_dp = True  # its aggregate privatises the joint (delta_y, lr delta_c) itself (privatised_deltas)
     dp_sgd = True  # default loss; the control variates are computed from the privatised steps only

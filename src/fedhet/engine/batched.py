@@ -17,8 +17,10 @@ the local loop of ``algorithms.loop.train_locally`` for K clients at once:
   padded with masked rows that contribute exactly zero to the loss and its gradient.
 * Clients with fewer steps (less data) simply stop: rows are ordered by step count, so the clients still training
   at any step are a prefix of the rows and a finished client's row is never touched again.
-* The optimiser is ``FlatSGD``'s update (momentum, Nesterov, weight decay, buffer fresh each round) on the active
-  rows; ``train.grad_clip`` clips each client's own gradient norm, after the algorithm's gradient terms.
+* The optimiser is ``train.optimizer``'s update on the active rows (``FlatSGD``: momentum, Nesterov, weight decay;
+  ``FlatAdam``: Adam or AdamW), its state fresh each round or each client's kept one (``train.optimizer_state``),
+  written back to the client's state as the sequential loop writes it; ``train.grad_clip`` clips each client's own
+  gradient norm, after the algorithm's gradient terms.
 
 Exactness: every per-client operation is the sequential one on the client's row, so a client's result differs
 from the sequential one only by the float rounding of the batched forward/backward (vmapped matmuls and
@@ -29,10 +31,10 @@ so long runs of conv nets agree statistically, not digit for digit. A batched ru
 clients of a round and the same ``max_group``) and resumes bit for bit.
 
 Clients are trained in groups of at most ``run.max_group``, formed in order of step count, which bounds memory
-(K x P parameters, gradients and momentum, and K times the activations of one step). ``run.max_group = 0`` (auto)
-means 32 on a CPU and, on a GPU, as many clients as ``MEMORY_SHARE`` of the free device memory holds at the model's
-per-client footprint (``client_footprint``: the rows, the batch, and one client's forward/backward measured once);
-the size is fixed at the run's first batched phase.
+(K x P parameters, gradients and the optimiser's state, and K times the activations of one step).
+``run.max_group = 0`` (auto) means 32 on a CPU and, on a GPU, as many clients as ``MEMORY_SHARE`` of the free device
+memory holds at the model's per-client footprint (``client_footprint``: the rows, the batch, and one client's
+forward/backward measured once); the size is fixed at the run's first batched phase.
 
 On a GPU nothing in a local step waits for the host: the data is on the device from the start (``federate``), each
 pass's permutation is drawn on the client's CPU generator and moved in one piece, clipping decides on the device and
@@ -69,10 +71,18 @@ from fedhet.engine.client import ClientRunner, LocalExecutor, check_finite, fail
 from fedhet.engine.memory import available_memory
 from fedhet.engine.state import MemoryStateStore
 from fedhet.toolkit.flat import FlatModel, FlatVectors, named_views, parameter_layout
-from fedhet.toolkit.local import batch_indices, num_local_steps, precision_context
+from fedhet.toolkit.local import (
+    AdamSettings,
+    Coefficient,
+    adam_settings,
+    batch_indices,
+    num_local_steps,
+    optimizer_state_prefix,
+    precision_context,
+)
 
 if TYPE_CHECKING:
-    from fedhet.config import Config
+    from fedhet.config import Config, TrainSection
 
 # The hooks a batchable algorithm may override; the loss and the loop itself must be the base ones.
 _REPLACED = ("client_update", "local_loss")
@@ -444,16 +454,13 @@ class BatchedExecutor:
                 )
             except Exception as err:
                 drop(k, err)
+        kept = optimizer_state_prefix(phase) if t.optimizer_state == "client" else None
+        opt = _RowOptimizer(t, params, grads, members, kept)
 
         step_losses: list[torch.Tensor] = []  # (m,) per step, read once at the end (no sync per step on a GPU)
-        lrs = {c.ctx.lr for c in members if c.alive}  # a dropped client's row is discarded: its lr does not matter
-        lr: float | torch.Tensor = next(iter(lrs), 0.0)
-        if len(lrs) > 1:  # messages with different learning rates
-            lr = params.new_tensor([c.ctx.lr for c in members])[:, None]
         has_after_backward, has_after_step = _overrides(algo, "after_backward"), _overrides(algo, "after_step")
         active = [sum(1 for c in members if c.total > step) for step in range(members[0].total)]
-        momentum_buf: torch.Tensor | None = None
-        for m in active:  # m: the clients still training are rows 0..m-1 (sorted by step count)
+        for step, m in enumerate(active):  # m: the clients still training are rows 0..m-1 (sorted by step count)
             for k in range(m):
                 if members[k].alive:
                     try:
@@ -485,18 +492,7 @@ class BatchedExecutor:
             if t.grad_clip is not None:  # clip_grad_norm on each row
                 norms = torch.linalg.vector_norm(grad_rows, dim=1, keepdim=True)
                 grad_rows.mul_(torch.where(norms > t.grad_clip, t.grad_clip / (norms + 1e-6), torch.ones_like(norms)))
-            # FlatSGD.direction and step, on the active rows
-            d = grad_rows.add(rows, alpha=t.weight_decay) if t.weight_decay else grad_rows
-            if t.momentum:
-                if momentum_buf is None:
-                    momentum_buf = d.clone()  # the first step, which every client takes
-                else:
-                    momentum_buf[:m].mul_(t.momentum).add_(d)
-                d = d.add(momentum_buf[:m], alpha=t.momentum) if t.nesterov else momentum_buf[:m]
-            if isinstance(lr, float):
-                rows.sub_(d, alpha=lr)
-            else:
-                rows.sub_(d * lr[:m])
+            opt.step(step, m)
             step_losses.append(losses.float())
             for k in range(m):
                 client = members[k]
@@ -521,6 +517,8 @@ class BatchedExecutor:
                 continue
             ctx = client.ctx
             ctx.loss_sum = totals[row[cid]]
+            if kept is not None:
+                ctx.state.update({kept + name: t for name, t in opt.row_state(row[cid]).items()})
             flat.set_params(params[row[cid]])  # after_local may evaluate the trained model through ctx.model
             try:
                 reply = algo.after_local(ctx)
@@ -531,6 +529,104 @@ class BatchedExecutor:
             self.store.put(cid, ctx.state)
             replies[cid] = reply
         return replies, failures
+
+
+class _RowOptimizer:
+    """``train.optimizer`` on the rows of a group's (K, P) parameters: on each row the update ``FlatSGD`` or
+    ``FlatAdam`` makes on that client's vector, each step on the rows still training (``[:m]``). The state starts
+    fresh, or from each client's kept one (``kept``: its key prefix in ``ctx.state``), as the sequential loop's."""
+
+    def __init__(
+        self, t: TrainSection, params: torch.Tensor, grads: torch.Tensor, members: list[_Client], kept: str | None
+    ) -> None:
+        self.t, self.params, self.grads = t, params, grads
+        self.members = members
+        self.lrs = [c.ctx.lr for c in members]
+        alive = [k for k, c in enumerate(members) if c.alive]  # a dropped client's row is discarded: its values
+        # (lr, state) do not matter
+        self.uniform_lr = len({self.lrs[k] for k in alive}) <= 1
+        self.lr: float | torch.Tensor = self.lrs[alive[0]] if alive and self.uniform_lr else 0.0
+        if not self.uniform_lr:  # messages with different learning rates
+            self.lr = params.new_tensor(self.lrs)[:, None]
+        saved = [_strip(c.ctx.state, kept) if kept is not None and c.alive else {} for c in members]
+        self.buf: torch.Tensor | None = None  # SGD's momentum, made at the first step (which every client takes)
+        self.kept_buf = {k: s["momentum"] for k, s in enumerate(saved) if "momentum" in s}
+        self.adam = adam_settings(t) if t.optimizer != "sgd" else None
+        self.counts = [int(s["step"]) if "step" in s else 0 for s in saved]
+        self.saved = saved
+        self.exp_avg: torch.Tensor | None = None
+        self.exp_avg_sq: torch.Tensor | None = None
+        self.table: list[torch.Tensor] | None = None  # per (step, row) Adam coefficients where rows differ
+        self.uniform_count = len({self.counts[k] for k in alive}) <= 1
+        self.first = self.counts[alive[0]] if alive else 0
+
+    def step(self, step: int, m: int) -> None:
+        """The step numbered ``step`` (from 0) of the rows ``[:m]``, with their gradients in ``grads[:m]``."""
+        if self.adam is None:
+            self.sgd_step(m)
+        else:
+            self.adam_step(self.adam, step, m)
+        for k in range(m):
+            self.counts[k] += 1
+
+    def sgd_step(self, m: int) -> None:
+        """FlatSGD.direction and step, on the active rows."""
+        t, rows, grad_rows = self.t, self.params[:m], self.grads[:m]
+        d = grad_rows.add(rows, alpha=t.weight_decay) if t.weight_decay else grad_rows
+        if t.momentum:
+            if self.buf is None:
+                self.buf = d.clone()
+                for k, buf in self.kept_buf.items():  # a kept buffer continues: buf <- momentum buf + d
+                    self.buf[k] = buf.to(d.device).mul(t.momentum).add_(d[k])
+            else:
+                self.buf[:m].mul_(t.momentum).add_(d)
+            d = d.add(self.buf[:m], alpha=t.momentum) if t.nesterov else self.buf[:m]
+        if isinstance(self.lr, float):
+            rows.sub_(d, alpha=self.lr)
+        else:
+            rows.sub_(d * self.lr[:m])
+
+    def adam_step(self, hp: AdamSettings, step: int, m: int) -> None:
+        """FlatAdam.step on the active rows: one coefficient for all while they share lr and step count (the
+        sequential arithmetic exactly), else a column of them, from a table moved to the device once."""
+        if self.exp_avg is None or self.exp_avg_sq is None:
+            self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.params), torch.zeros_like(self.params)
+            for k, s in enumerate(self.saved):
+                if "step" in s:
+                    self.exp_avg[k] = s["exp_avg"].to(self.params.device)
+                    self.exp_avg_sq[k] = s["exp_avg_sq"].to(self.params.device)
+        coefficients: tuple[Coefficient, Coefficient, Coefficient]
+        if self.uniform_lr and self.uniform_count:
+            coefficients = hp.coefficients(float(self.lr), self.first + step + 1)
+        else:
+            table = self.coefficient_table(hp)
+            coefficients = (table[0][step, :m, None], table[1][step, :m, None], table[2][step, :m, None])
+        hp.update(self.params[:m], self.grads[:m], self.exp_avg[:m], self.exp_avg_sq[:m], coefficients)
+
+    def coefficient_table(self, hp: AdamSettings) -> list[torch.Tensor]:
+        """(steps, K) tensors of each row's step size, sqrt(1 - beta2^t) and decay factor, computed once."""
+        if self.table is None:
+            steps = self.members[0].total
+            start = list(self.counts)  # before the first step
+            values = [
+                [hp.coefficients(lr, c + s + 1) for lr, c in zip(self.lrs, start, strict=True)] for s in range(steps)
+            ]
+            host = torch.tensor(values, dtype=self.params.dtype)  # (steps, K, 3)
+            self.table = list(host.to(self.params.device).unbind(-1))
+        return self.table
+
+    def row_state(self, k: int) -> dict[str, torch.Tensor]:
+        """Row k's optimiser state after the round, as ``FlatSGD`` / ``FlatAdam.state_dict`` give it."""
+        if self.adam is None:
+            return {} if self.buf is None else {"momentum": self.buf[k].clone()}
+        if self.exp_avg is None or self.exp_avg_sq is None:
+            return {}
+        step = torch.tensor(self.counts[k])
+        return {"exp_avg": self.exp_avg[k].clone(), "exp_avg_sq": self.exp_avg_sq[k].clone(), "step": step}
+
+
+def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 class _Batch:
@@ -578,6 +674,8 @@ MEMORY_SHARE = 0.5
 # per client and parameter, in the model's dtype: the row, its gradient, vmap's gradients before they are
 # concatenated, the momentum buffer, the step direction and one temporary (weight decay, clipping)
 ROW_COPIES = 6
+# Adam's second moment and its denominator beside the first moment (which takes the momentum buffer's place)
+ADAM_ROW_COPIES = ROW_COPIES + 2
 
 
 def group_size(free: int, per_client: int) -> int:
@@ -589,7 +687,8 @@ def client_footprint(runner: ClientRunner, data: ClientData, batch_size: int) ->
     """Bytes one more client of a group takes: its parameter rows, its padded batch and the activations of one
     forward/backward, measured once on the shared model (on CUDA; estimated as 4 times the logits elsewhere)."""
     flat = runner.flat
-    rows = ROW_COPIES * flat.num_params * flat.params.element_size()
+    copies = ROW_COPIES if runner.train.optimizer == "sgd" else ADAM_ROW_COPIES
+    rows = copies * flat.num_params * flat.params.element_size()
     x, y = data.x[:batch_size], data.y[:batch_size]
     batch = batch_size * (x[0].numel() * x.element_size() + 8)
     return rows + batch + activation_bytes(runner, x, y)

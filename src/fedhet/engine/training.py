@@ -44,6 +44,7 @@ def resolve_config(cfg: Config) -> dict[str, Any]:
         out[section] = {**fixed, "name": entry.name, **params}
     check_aggregation(cfg)
     check_privacy(cfg)
+    check_optimizer(cfg)
     if cfg.attack.kind != "none" and ALGORITHMS.get(cfg.algorithm.name).obj.pools_clients:
         raise ConfigError(
             f"attack.kind={cfg.attack.kind!r} makes some clients malicious, and {cfg.algorithm.name} trains one client "
@@ -75,6 +76,14 @@ def check_aggregation(cfg: Config) -> None:
         )
     if server.aggregation == "multikrum" and server.multikrum_m is not None and server.multikrum_m > n:
         raise ConfigError(f"server.multikrum_m={server.multikrum_m} exceeds the {n} clients per round")
+
+
+def check_optimizer(cfg: Config) -> None:
+    """``train.optimizer`` only with an algorithm whose math holds for it (``Algorithm.optimizer_refusal``)."""
+    algo_cls, algo_cfg = algorithm_config(cfg)
+    problem = algo_cls.optimizer_refusal(algo_cfg, cfg.train)
+    if problem:
+        raise ConfigError(f"train.optimizer={cfg.train.optimizer!r}: {problem}")
 
 
 def check_privacy(cfg: Config) -> None:

@@ -1,3 +1,4 @@
 """The toolkit under the algorithms: flat parameter vectors (``flat``), what the local loop trains with (``local``:
-seeds, FlatSGD, batches, clipping), evaluation (``evaluate``) and soft confusion matrices (``confusion``). It imports
-only torch, numpy and (for annotations) the data layer, so algorithms and the engine both build on it."""
+seeds, the local optimisers, batches, clipping), evaluation (``evaluate``) and soft confusion matrices
+(``confusion``). It imports only torch, numpy and (for annotations) the data layer and the config, so algorithms and
+the engine both build on it."""
