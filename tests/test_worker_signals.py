@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,14 +32,27 @@ INTERRUPTED = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _short_temp_folders():
+    """Each test's temporary folder lies in the system's own (a socket path in it must fit in 107 bytes, and pytest's
+    tmp_path under xdist does not leave room: workers.check_socket_folder); ``tmp`` in the test's folder links to it."""
+    yield
+    while SHORT:
+        shutil.rmtree(SHORT.pop(), ignore_errors=True)
+
+
+SHORT: list[str] = []
+
+
 def start(argv: list[str], cwd: Path) -> subprocess.Popen:
     """Python in its own process group (a terminal's foreground job, which Ctrl-C signals as a whole) with a temporary
     folder of its own, so what it leaves there is seen."""
-    (cwd / "tmp").mkdir()
+    SHORT.append(tempfile.mkdtemp(prefix="fedhet-"))
+    (cwd / "tmp").symlink_to(SHORT[-1])
     return subprocess.Popen(
         [sys.executable, *argv],
         cwd=cwd,
-        env={**os.environ, "TMPDIR": str(cwd / "tmp"), "COLUMNS": "200"},
+        env={**os.environ, "TMPDIR": SHORT[-1], "COLUMNS": "200"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -231,3 +246,37 @@ def test_a_worker_process_reports_through_the_quiet_hooks():
     hooks = queue.get(timeout=60)
     proc.join(timeout=60)
     assert hooks == ("quiet_when_orphaned.<locals>.excepthook",) * 2
+
+
+def test_a_temporary_folder_too_long_for_a_socket_is_one_error_line(tmp_path, monkeypatch):
+    """Worker processes get their clients' tensors through shared memory whose descriptors pass over a socket in
+    multiprocessing's temporary folder: under a TMPDIR too long for a socket path, binding it failed while pickling,
+    and the run said 'worker process 0 died while it set up'."""
+    import multiprocessing.util
+
+    from fedhet.engine import workers
+    from fedhet.errors import ConfigError
+
+    long = "/tmp/" + "x" * (workers.SOCKET_PATH_MAX - workers.LISTENER_NAME - len("/tmp/") + 1)
+    monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: long)
+    with pytest.raises(ConfigError, match=r"set TMPDIR to a shorter folder, or train in this process"):
+        workers.check_socket_folder()
+    monkeypatch.setattr(multiprocessing.util, "get_temp_dir", lambda: long[:-1])
+    workers.check_socket_folder()  # one byte shorter: the socket fits
+
+
+def test_a_run_with_workers_under_a_long_tmpdir_is_refused_in_one_line(tmp_path):
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    argv = ["-m", "fedhet.cli", "run", "-d", "digits", "-m", "mlp", "-n", "4", "-r", "1", "-s", "run.workers=2"]
+    argv += ["-o", str(tmp_path / "out")]
+    proc = subprocess.run(
+        [sys.executable, *argv],
+        env={**os.environ, "TMPDIR": str(deep), "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("error: worker processes cannot get their data through the temporary folder")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -72,6 +73,30 @@ def test_three_workers_resume_bit_exact_with_client_state(tiny_config, kill_and_
 
 def reset_by_peer() -> None:
     raise ConnectionResetError(104, "Connection reset by peer")
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_while_it_sets_up_fails_the_run_in_one_line(tiny_config, monkeypatch):
+    """A worker gone before its first task (killed, or unable to read its data) stops the run as a RunFailed: the
+    summary says why and the command line prints one 'failed:' line (it was a traceback)."""
+    from fedhet.errors import RunFailed
+
+    real_start = workers.WorkerPool._start
+
+    def start_and_kill(pool, i):
+        setup, pool.setup_msg = pool.setup_msg, None  # start it without setting it up, kill it, then set it up
+        real_start(pool, i)
+        pool.procs[i].kill()
+        pool.procs[i].join()
+        pool.setup_msg = setup
+        pool._setup_one(i)
+
+    monkeypatch.setattr(workers.WorkerPool, "_start", start_and_kill)
+    sim = Simulation(config(tiny_config, "fedavg", "dies-at-setup", workers=2))
+    with pytest.raises(RunFailed, match="worker process 0 died while it set up"):
+        sim.run()
+    summary = json.loads((sim.run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "died while it set up" in summary["error"]
 
 
 @pytest.mark.slow

@@ -54,7 +54,7 @@ from fedhet.algorithms.base import Message
 from fedhet.config import Config
 from fedhet.data.types import ClientData
 from fedhet.engine.client import ClientRunner, LocalExecutor, failure_record
-from fedhet.errors import ConfigError
+from fedhet.errors import ConfigError, RunFailed
 
 # ------------------------------------------------------------------ starting worker processes
 _LAUNCH = threading.Lock()
@@ -105,6 +105,26 @@ def _owned_temp_dir() -> str | None:
         if ours and folder in (getattr(finalizer, "_args", None) or ()):
             return folder
     return None
+
+
+# An AF_UNIX socket's path holds at most 107 bytes on Linux (103 on macOS and the BSDs). Tensors reach a worker
+# through shared memory whose file descriptors pass over such a socket, a "listener-XXXXXXXX" in multiprocessing's
+# temporary folder (pymp-* under TMPDIR).
+SOCKET_PATH_MAX = 107 if sys.platform.startswith("linux") else 103
+LISTENER_NAME = len("/listener-") + 8
+
+
+def check_socket_folder() -> None:
+    """Refuse, in one line, a temporary folder too long for the sockets that hand the workers their data: binding one
+    fails inside pickling, where it read as a worker that died while it set up."""
+    folder = multiprocessing.util.get_temp_dir()
+    length = len(os.fsencode(folder)) + LISTENER_NAME
+    if length > SOCKET_PATH_MAX:
+        raise ConfigError(
+            f"worker processes cannot get their data through the temporary folder {folder}: a socket there needs "
+            f"{length} bytes of path, at most {SOCKET_PATH_MAX} fit; set TMPDIR to a shorter folder, or train in "
+            "this process (run.workers=1)"
+        )
 
 
 class WorkerProcess(multiprocessing.context.SpawnProcess):
@@ -316,8 +336,9 @@ def _setup(cfg_raw: dict[str, Any], fed, shared: SharedClients) -> tuple[ClientR
     return build_training(build_config(cfg_raw), dataclasses.replace(fed, clients=clients)).runner, clients
 
 
-class WorkerDied(RuntimeError):
-    pass
+class WorkerDied(RunFailed):
+    """A worker process ended while it set up: the run stops at its last checkpoint, in one line (a worker that dies
+    while it trains a client is a failed client instead, and a new worker takes its place)."""
 
 
 class WorkerPool:
@@ -352,6 +373,7 @@ class WorkerPool:
             raise (ConfigError(text) if kind == "ConfigError" else WorkerDied(f"worker {i} failed to set up: {text}"))
 
     def setup(self, cfg_raw: dict[str, Any], fed, shared: SharedClients) -> None:
+        check_socket_folder()
         self.setup_msg = ("setup", cfg_raw, fed, shared)
         try:
             for i in range(self.size):
