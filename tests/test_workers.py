@@ -81,17 +81,14 @@ def test_a_worker_that_dies_while_it_sets_up_fails_the_run_in_one_line(tiny_conf
     summary says why and the command line prints one 'failed:' line (it was a traceback)."""
     from fedhet.errors import RunFailed
 
-    real_start = workers.WorkerPool._start
+    real_setup_one = workers.WorkerPool._setup_one
 
-    def start_and_kill(pool, i):
-        setup, pool.setup_msg = pool.setup_msg, None  # start it without setting it up, kill it, then set it up
-        real_start(pool, i)
+    def kill_then_set_up(pool, i):  # a new worker, or one a pool kept from an earlier run of this process
         pool.procs[i].kill()
         pool.procs[i].join()
-        pool.setup_msg = setup
-        pool._setup_one(i)
+        real_setup_one(pool, i)
 
-    monkeypatch.setattr(workers.WorkerPool, "_start", start_and_kill)
+    monkeypatch.setattr(workers.WorkerPool, "_setup_one", kill_then_set_up)
     sim = Simulation(config(tiny_config, "fedavg", "dies-at-setup", workers=2))
     with pytest.raises(RunFailed, match="worker process 0 died while it set up"):
         sim.run()
