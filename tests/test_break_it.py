@@ -376,3 +376,49 @@ def test_ctrl_c_ends_a_flower_simulation_promptly(tmp_path):
     assert [line for line in err.splitlines() if "interrupted" in line] == [
         f"interrupted: the last checkpoint is kept; continue with --resume ({out / 'ctrl-c'})"
     ], err
+
+
+REAPED = """
+import subprocess, sys, time
+from fedhet.flower.reaper import reaped_on_death
+
+with reaped_on_death():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    print(child.pid, flush=True)
+    time.sleep(float(sys.argv[1]))
+"""
+
+
+def _ended(pid: int) -> bool:
+    """Gone, or a zombie no one has reaped yet (in a container, init may not reap)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+@pytest.mark.parametrize("killed", [True, False])
+def test_the_watcher_ends_what_a_killed_process_started_and_leaves_a_finished_ones(tmp_path, killed):
+    """reaped_on_death without Ray: a process killed outright takes what it started with it (the watcher notes it
+    and ends it); one that ends normally says so, and the watcher touches nothing it started."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("psutil")
+    proc = subprocess.Popen([sys.executable, "-c", REAPED, "120" if killed else "1"], stdout=subprocess.PIPE, text=True)
+    child = int(proc.stdout.readline())
+    try:
+        if killed:
+            time.sleep(1.0)  # the watcher lists the processes under its parent every 0.2 s
+            proc.kill()
+        proc.wait(timeout=30)  # a normal end waits for the watcher, so whatever it would do is done
+        deadline = time.monotonic() + (15 if killed else 0)
+        while not _ended(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _ended(child) == killed
+    finally:
+        if not _ended(child):
+            os.kill(child, signal.SIGKILL)
