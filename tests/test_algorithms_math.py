@@ -137,14 +137,7 @@ def test_momentum_and_weight_decay_follow_torch_sgd():
     flat = FlatModel(model)
     opt = FlatSGD(flat, lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=True)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=True)
-    for _ in range(3):
-        x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
-        flat.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        ref_opt.step()
+    step_both(model, flat, opt, ref, ref_opt, steps=3)
     torch.testing.assert_close(flat.params, torch.cat([p.detach().reshape(-1) for p in ref.parameters()]))
 
 
@@ -155,3 +148,16 @@ def test_message_is_not_mutated_by_local_training():
     algo.client_update(ctx)
     torch.testing.assert_close(ctx.message.tensors["params"], before)
     assert isinstance(ctx.message, Message)
+
+
+def step_both(model, flat, opt, ref, ref_opt, steps: int) -> None:
+    """``steps`` steps of a flat-vector optimiser on ``model`` and of its torch.optim twin on ``ref`` (a copy), on the
+    same random batches of 6 four-feature samples with 3 classes."""
+    for _ in range(steps):
+        x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+        flat.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        F.cross_entropy(ref(x), y).backward()
+        ref_opt.step()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -266,51 +267,86 @@ def test_a_torn_metrics_line_in_a_report_is_one_warning_line(tmp_path, monkeypat
 
 
 # ---------------------------------------------------------------------------------------------- a killed simulation
-@pytest.mark.slow  # Ray start-up: about 30 s on two cores
-def test_ray_helpers_end_with_a_flower_simulation_killed_outright(tmp_path):
-    """kill -9 of ``fedhet flower simulate`` once it trains: no process that was running under it survives it (Ray's
-    DashboardAgent and RuntimeEnvAgent did, reparented to init). Only the processes recorded under the killed one
-    are looked at, and only they are killed should the test fail."""
+def start_simulation(tmp_path: Path, name: str):
+    """``fedhet flower simulate`` in a process group of its own (as a terminal gives a command), once it has trained
+    two rounds (every Ray helper is up then); returns the process, its run folder and what runs under it."""
     import os
     import subprocess
     import time
-    from contextlib import suppress
 
     pytest.importorskip("ray")
     pytest.importorskip("flwr")
     psutil = pytest.importorskip("psutil")
     out = tmp_path / "runs"
-    args = ["flower", "simulate", *TINY, "-r", "500", "-o", out, "--name", "killed", "--num-cpus", "2"]
+    args = ["flower", "simulate", *TINY, "-r", "500", "-o", out, "--name", name, "--num-cpus", "2"]
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    proc = subprocess.Popen([sys.executable, "-m", "fedhet.cli", *map(str, args)], env=env, stderr=subprocess.PIPE)
-    metrics, deadline = out / "killed" / "metrics.jsonl", time.monotonic() + 240
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fedhet.cli", *map(str, args)],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    metrics, deadline = out / name / "metrics.jsonl", time.monotonic() + 240
     try:
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # two rounds: every helper is up
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-3000:]
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
             time.sleep(0.2)
-        under = psutil.Process(proc.pid).children(recursive=True)
-        started = " ".join(" ".join(p.cmdline()) for p in under)
-        assert "raylet" in started and "DashboardAgent" in started and "RuntimeEnvAgent" in started, started
-    finally:
-        proc.kill()  # SIGKILL: nothing in it runs any more
-        proc.wait()
+    except BaseException:
+        end_group(proc, [])
+        raise
+    return proc, out / name, psutil.Process(proc.pid).children(recursive=True)
 
-    def survivors() -> list:
-        alive = []
-        for p in under:
-            with suppress(psutil.NoSuchProcess):
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(p)
-        return alive
 
-    deadline = time.monotonic() + 20  # the watcher's SIGTERM, then SIGKILL after a grace of 3 s
-    while survivors() and time.monotonic() < deadline:
+def alive(processes: list) -> list[tuple[int, str]]:
+    """Those of ``processes`` still running (a zombie has ended)."""
+    import psutil
+
+    running = []
+    for p in processes:
+        with suppress(psutil.NoSuchProcess):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                running.append((p.pid, p.name()))
+    return running
+
+
+def wait_for_the_end(processes: list, seconds: float) -> list[tuple[int, str]]:
+    """Those of ``processes`` still running after up to ``seconds``."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while alive(processes) and time.monotonic() < deadline:
         time.sleep(0.5)
-    left = survivors()
-    for p in left:  # only what the killed run started, so a failed test leaves nothing behind
+    return alive(processes)
+
+
+def end_group(proc, under: list) -> None:
+    """Kill this test's process group and what it started (only those: a failed test leaves nothing behind)."""
+    import os
+    import signal
+
+    import psutil
+
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for p in under:
         with suppress(psutil.NoSuchProcess):
             p.kill()
-    left = [(p.pid, p.name()) for p in left]
+
+
+@pytest.mark.slow  # Ray start-up: about 30 s on two cores
+def test_ray_helpers_end_with_a_flower_simulation_killed_outright(tmp_path):
+    """kill -9 of ``fedhet flower simulate`` once it trains: no process that was running under it survives it (Ray's
+    DashboardAgent and RuntimeEnvAgent did, reparented to init). Only the processes recorded under the killed one
+    are looked at, and only they are killed should the test fail."""
+    proc, _, under = start_simulation(tmp_path, "killed")
+    started = " ".join(" ".join(p.cmdline()) for p in under)
+    proc.kill()  # SIGKILL: nothing in it runs any more
+    proc.wait()
+    left = wait_for_the_end(under, 20)  # the watcher's SIGTERM, then SIGKILL after a grace of 3 s
+    end_group(proc, under)
+    assert "raylet" in started and "DashboardAgent" in started and "RuntimeEnvAgent" in started, started
     assert not left, left
 
 
@@ -322,59 +358,23 @@ def test_ctrl_c_ends_a_flower_simulation_promptly(tmp_path):
     import os
     import signal
     import subprocess
-    import time
-    from contextlib import suppress
 
-    pytest.importorskip("ray")
-    pytest.importorskip("flwr")
-    psutil = pytest.importorskip("psutil")
-    out = tmp_path / "runs"
-    args = ["flower", "simulate", *TINY, "-r", "500", "-o", out, "--name", "ctrl-c", "--num-cpus", "2"]
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "fedhet.cli", *map(str, args)],
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # a process group of its own, as a terminal gives a command
-    )
-    metrics, deadline, under = out / "ctrl-c" / "metrics.jsonl", time.monotonic() + 240, []
-
-    def alive(processes: list) -> list[tuple[int, str]]:
-        running = []
-        for p in processes:
-            with suppress(psutil.NoSuchProcess):
-                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                    running.append((p.pid, p.name()))
-        return running
-
+    proc, run, under = start_simulation(tmp_path, "ctrl-c")
     try:
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # two rounds: every helper is up
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
-            time.sleep(0.2)
-        under = psutil.Process(proc.pid).children(recursive=True)
         os.killpg(proc.pid, signal.SIGINT)
         try:
             code = proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             code = None
-        settled = time.monotonic() + 20  # Ray's helpers see the raylet go, then exit
-        while alive(under) and time.monotonic() < settled:
-            time.sleep(0.5)
-        left = alive(under)
+        left = wait_for_the_end(under, 20)  # Ray's helpers see the raylet go, then exit
     finally:
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # only this test's process group, should the test fail
-        proc.wait()
-        for p in under:  # and only what the run started
-            with suppress(psutil.NoSuchProcess):
-                p.kill()
+        end_group(proc, under)
     err = proc.stderr.read()
     assert code == 130, f"still running 30 s after Ctrl-C (exit status {code}): {err[-3000:]}"
     assert not left, left
     assert "Traceback" not in err, err
     assert [line for line in err.splitlines() if "interrupted" in line] == [
-        f"interrupted: the last checkpoint is kept; continue with --resume ({out / 'ctrl-c'})"
+        f"interrupted: the last checkpoint is kept; continue with --resume ({run})"
     ], err
 
 

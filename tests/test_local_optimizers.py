@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_algorithms_math import step_both
 from torch.nn.utils import vector_to_parameters
 
 from fedhet.algorithms import ALGORITHMS, Setup
@@ -60,14 +61,7 @@ def test_adam_and_adamw_take_torch_steps_bit_for_bit(name, weight_decay):
     opt = local_optimizer(flat, 0.01, train)
     torch_cls = torch.optim.AdamW if name == "adamw" else torch.optim.Adam
     ref_opt = torch_cls(ref.parameters(), lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=weight_decay)
-    for _ in range(5):
-        x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
-        flat.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        ref_opt.zero_grad()
-        F.cross_entropy(ref(x), y).backward()
-        ref_opt.step()
+    step_both(model, flat, opt, ref, ref_opt, steps=5)
     assert torch.equal(flat.params, vector(ref))
     state = opt.state_dict()
     assert int(state["step"]) == 5
