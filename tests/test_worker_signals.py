@@ -245,7 +245,33 @@ def test_a_worker_process_reports_through_the_quiet_hooks():
     proc.start()
     hooks = queue.get(timeout=60)
     proc.join(timeout=60)
-    assert hooks == ("quiet_when_orphaned.<locals>.excepthook",) * 2
+    assert hooks == ("quiet_handover.<locals>.excepthook", "quiet_when_orphaned.<locals>.excepthook")
+
+
+def _raised_in(filename: str, error: BaseException) -> tuple:
+    """(type, value, traceback) of ``error`` raised by code that says it is in ``filename``."""
+    try:
+        exec(compile("raise error", filename, "exec"), {"error": error})
+    except BaseException as raised:
+        return type(raised), raised, raised.__traceback__
+    raise AssertionError("not raised")
+
+
+def test_a_connection_cut_while_shared_memory_is_handed_over_is_not_a_traceback():
+    """Ctrl-C stops the workers while the parent's resource sharer hands one a tensor's shared memory: the sharer's
+    thread reported the reset connection through sys.excepthook, a traceback under the one 'interrupted' line. Only
+    a cut connection in the sharer is dropped; any other error, or one from elsewhere, is reported as before."""
+    from fedhet.engine import workers
+
+    reported = []
+    hook = workers.quiet_handover(lambda *args: reported.append(args[0]))
+    sharer = "/usr/lib/python3/multiprocessing/resource_sharer.py"
+    hook(*_raised_in(sharer, ConnectionResetError(104, "Connection reset by peer")))
+    hook(*_raised_in(sharer, EOFError()))
+    assert reported == []
+    hook(*_raised_in(sharer, ValueError("a real fault")))
+    hook(*_raised_in("/somewhere/else.py", ConnectionResetError(104, "Connection reset by peer")))
+    assert reported == [ValueError, ConnectionResetError]
 
 
 def test_a_temporary_folder_too_long_for_a_socket_is_one_error_line(tmp_path, monkeypatch):

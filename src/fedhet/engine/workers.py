@@ -42,6 +42,7 @@ import shutil
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -164,7 +165,7 @@ def worker_started() -> None:
     parent = multiprocessing.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_with, args=(parent.sentinel,), daemon=True, name="fedhet-parent").start()
-    sys.excepthook = quiet_when_orphaned(sys.excepthook)
+    sys.excepthook = quiet_handover(quiet_when_orphaned(sys.excepthook))
     threading.excepthook = quiet_when_orphaned(threading.excepthook)
 
 
@@ -464,8 +465,26 @@ _POOLS: dict[int, WorkerPool] = {}
 def pool(size: int) -> WorkerPool:
     """The process's pool of ``size`` workers (started on first use, kept for later runs)."""
     if size not in _POOLS:
+        if not _POOLS:
+            sys.excepthook = quiet_handover(sys.excepthook)
         _POOLS[size] = WorkerPool(size)
     return _POOLS[size]
+
+
+def quiet_handover(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook``, but a connection that ends while multiprocessing's resource sharer hands a tensor's shared memory
+    to the process at its other end is not reported: that process is gone (a worker stopped by Ctrl-C, or its
+    parent killed), and what follows from it (a failed client, an interrupted run) is reported where it happens.
+    The sharer's thread reports such an error through ``sys.excepthook``, as a traceback on the console."""
+
+    def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if issubclass(kind, (ConnectionError, EOFError)) and any(
+            frame.f_code.co_filename.endswith("resource_sharer.py") for frame, _ in traceback.walk_tb(tb)
+        ):
+            return
+        hook(kind, value, tb)
+
+    return excepthook
 
 
 @atexit.register
