@@ -76,6 +76,8 @@ from fedhet.toolkit.local import (
     Coefficient,
     adam_settings,
     batch_indices,
+    keep_state,
+    kept_state,
     num_local_steps,
     optimizer_state_prefix,
     precision_context,
@@ -518,7 +520,7 @@ class BatchedExecutor:
             ctx = client.ctx
             ctx.loss_sum = totals[row[cid]]
             if kept is not None:
-                ctx.state.update({kept + name: t for name, t in opt.row_state(row[cid]).items()})
+                keep_state(ctx.state, kept, opt.row_state(row[cid]))
             flat.set_params(params[row[cid]])  # after_local may evaluate the trained model through ctx.model
             try:
                 reply = algo.after_local(ctx)
@@ -548,7 +550,7 @@ class _RowOptimizer:
         self.lr: float | torch.Tensor = self.lrs[alive[0]] if alive and self.uniform_lr else 0.0
         if not self.uniform_lr:  # messages with different learning rates
             self.lr = params.new_tensor(self.lrs)[:, None]
-        saved = [_strip(c.ctx.state, kept) if kept is not None and c.alive else {} for c in members]
+        saved = [kept_state(c.ctx.state, kept) if kept is not None and c.alive else {} for c in members]
         self.buf: torch.Tensor | None = None  # SGD's momentum, made at the first step (which every client takes)
         self.kept_buf = {k: s["momentum"] for k, s in enumerate(saved) if "momentum" in s}
         self.adam = adam_settings(t) if t.optimizer != "sgd" else None
@@ -623,10 +625,6 @@ class _RowOptimizer:
             return {}
         step = torch.tensor(self.counts[k])
         return {"exp_avg": self.exp_avg[k].clone(), "exp_avg_sq": self.exp_avg_sq[k].clone(), "step": step}
-
-
-def _strip(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
 class _Batch:

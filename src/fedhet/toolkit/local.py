@@ -44,11 +44,11 @@ class FlatOptimizer:
 
     def save(self, state: dict[str, torch.Tensor], prefix: str) -> None:
         """Write the optimiser's state into a client's state dict under ``prefix``."""
-        state.update({prefix + name: t for name, t in self.state_dict().items()})
+        keep_state(state, prefix, self.state_dict())
 
     def load(self, state: dict[str, torch.Tensor], prefix: str) -> None:
         """Continue from the state ``save`` wrote under ``prefix`` (fresh where there is none)."""
-        self.load_state_dict({k[len(prefix) :]: t for k, t in state.items() if k.startswith(prefix)})
+        self.load_state_dict(kept_state(state, prefix))
 
     def _own(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.flat.params.device, copy=True)
@@ -200,6 +200,16 @@ def local_optimizer(flat: FlatModel | Any, lr: float, train: TrainSection) -> Fl
         return FlatSGD(flat, lr, train.momentum, train.weight_decay, train.nesterov)
     hp = adam_settings(train)
     return FlatAdam(flat, lr, hp.betas, hp.eps, hp.weight_decay, hp.decoupled)
+
+
+def keep_state(state: dict[str, torch.Tensor], prefix: str, optimizer_state: dict[str, torch.Tensor]) -> None:
+    """Put an optimiser's state (``state_dict``'s names) into a client's state dict under ``prefix``."""
+    state.update({prefix + name: t for name, t in optimizer_state.items()})
+
+
+def kept_state(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The optimiser state ``keep_state`` put under ``prefix``, by its own names (empty where there is none)."""
+    return {k[len(prefix) :]: t for k, t in state.items() if k.startswith(prefix)}
 
 
 def optimizer_state_prefix(phase: str) -> str:
