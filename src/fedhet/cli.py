@@ -397,6 +397,9 @@ LIST_ALIASES = {
     "dataset": "datasets",
     "partitioner": "partitioners",
     "partition": "partitioners",
+    "feature": "features",
+    "feature_skew": "features",
+    "feature_skews": "features",
     "model": "models",
     "algorithm": "algorithms",
     "server": "servers",
@@ -410,7 +413,8 @@ def list_cmd(
     what: Annotated[
         str | None,
         typer.Argument(
-            help="datasets | partitioners | models | algorithms | servers (singular too) | config (every setting)"
+            help="datasets | partitioners | features | models | algorithms | servers (singular too) | config (every "
+            "setting)"
         ),
     ] = None,
     plugin: PluginOpt = None,
@@ -423,6 +427,7 @@ def list_cmd(
     from fedhet import plugins
     from fedhet.algorithms import ALGORITHMS, SERVER_OPTIMIZERS
     from fedhet.data.datasets import DATASETS
+    from fedhet.data.features import FEATURE_SKEWS
     from fedhet.data.partition import PARTITIONERS
     from fedhet.errors import unknown_choice
     from fedhet.models import MODELS
@@ -430,6 +435,7 @@ def list_cmd(
     kinds = {
         "datasets": DATASETS,
         "partitioners": PARTITIONERS,
+        "features": FEATURE_SKEWS,
         "models": MODELS,
         "algorithms": ALGORITHMS,
         "servers": SERVER_OPTIMIZERS,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from fedhet import plugins
 from fedhet.algorithms import ALGORITHMS, SERVER_OPTIMIZERS
 from fedhet.data.datasets import DATASETS
+from fedhet.data.features import FEATURE_SKEWS
 from fedhet.data.partition import PARTITIONERS
 from fedhet.models import MODELS
 from fedhet.registry import Registry
@@ -23,6 +24,7 @@ def component_registries() -> tuple[tuple[str, Registry], ...]:
     return (
         ("dataset", DATASETS),
         ("partition", PARTITIONERS),
+        ("features", FEATURE_SKEWS),
         ("model", MODELS),
         ("algorithm", ALGORITHMS),
         ("server", SERVER_OPTIMIZERS),

@@ -256,6 +256,19 @@ class PartitionSection(_Component):
     merge_test: bool = False  # partition train+test together (FedBC's power-law protocol)
 
 
+class FeaturesSection(_Component):
+    # feature skew (data/features.py; fedhet list features): "none", "noise" (NIID-Bench's Gaussian noise of std
+    # sigma * i / N on client i), "rotation", "contrast", "invert", "blur" or "colour" (K domains, a transform
+    # each; the global test set is scored per domain: test_acc/domain/<k> and .../worst) or "natural" (the
+    # dataset's own domain per sample); composes with any partitioner
+    name: str = "none"
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _none_is_the_name(cls, value: Any) -> Any:
+        return "none" if value is None else value  # an override's none parses to None; here it names "none"
+
+
 class ModelSection(_Component):
     # unset: a model that fits the dataset's input (cnn for images, mlp for digits and synthetic, lstm for
     # shakespeare, logreg for leaf_sent140; models/fit.py), recorded in the run's config.json; fedhet list models
@@ -436,6 +449,7 @@ class Config(_Strict):
     run: RunSection = RunSection()
     dataset: DatasetSection = DatasetSection()
     partition: PartitionSection = PartitionSection()
+    features: FeaturesSection = FeaturesSection()
     model: ModelSection = ModelSection()
     train: TrainSection = TrainSection()
     algorithm: AlgorithmSection = AlgorithmSection()

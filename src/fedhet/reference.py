@@ -143,8 +143,9 @@ def config_markdown() -> str:
         "`run.out_dir`, `dataset.data_dir` and the `[tracking]` folders from the working directory (a run's outputs go",
         "where it is started; a Flower app's on the SuperLink). `-s`, `--plugin` and Python values: the working",
         "directory.",
-        "A component section (`dataset`, `partition`, `model`, `algorithm`, `server`) also takes the parameters of the",
-        "component its `name` picks; they are listed after the sections (`fedhet list algorithms` shows them too).",
+        "A component section (`dataset`, `partition`, `features`, `model`, `algorithm`, `server`) also takes the",
+        "parameters of the component its `name` picks; they are listed after the sections (`fedhet list algorithms`",
+        "shows them too).",
         "",
     ]
     for section, field in Config.model_fields.items():

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from fedhet.data.features import FeatureSkew
 from fedhet.data.types import ArrayDataset, ClientData, DataError
 
 
@@ -23,6 +24,11 @@ class FederatedDataset:
     pad_value: tuple[float, ...] | None = None  # a black pixel after normalisation, per channel (augmentation fill)
     white_value: tuple[float, ...] | None = None  # a white pixel after normalisation (the backdoor attack's trigger)
     provenance: dict | None = None  # where the data came from (files, hash), for the run folder's provenance.json
+    # feature skew with domains (data/features.py): the domain of each global test sample (on the CPU), the domains'
+    # names, and each client's domain (empty for natural domains, whose clients may span several)
+    test_domains: torch.Tensor | None = None
+    domain_names: tuple[str, ...] = ()
+    client_domains: tuple[int, ...] = ()
 
     @property
     def num_clients(self) -> int:
@@ -73,6 +79,15 @@ def normalise(x: np.ndarray, ds: ArrayDataset) -> np.ndarray:
     return (x - mean) / std
 
 
+def normalise_tensor(x: torch.Tensor, ds: ArrayDataset) -> torch.Tensor:
+    """``normalise`` on a tensor (the same float32 operations, so the same bits)."""
+    if ds.task != "image" or ds.mean is None:
+        return x
+    mean = torch.tensor(ds.mean, dtype=torch.float32).reshape(1, -1, 1, 1)
+    std = torch.tensor(ds.std, dtype=torch.float32).reshape(1, -1, 1, 1)
+    return (x - mean) / std
+
+
 def _split_local(idx: np.ndarray, frac: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """Shuffle a client's indices and cut off ``frac`` of them (at least one) as its local test split."""
     if frac <= 0:
@@ -91,6 +106,7 @@ def federate(
     seed: int = 0,
     device: torch.device | str = "cpu",
     test_parts: list[np.ndarray] | None = None,
+    skew: FeatureSkew | None = None,
 ) -> FederatedDataset:
     """Build client tensors from ``parts`` (indices into ``ds.x_train``, or into train+test when ``merged``).
 
@@ -98,6 +114,8 @@ def federate(
     union of the clients' local test splits (FedBC's protocol); that needs ``local_test_fraction > 0``.
     ``test_parts`` (indices into ``ds.x_test``, one array per client) give each client local test data taken from
     the official test set instead of a split of its own training data; the global test set stays the whole one.
+    ``skew`` (data/features.py) changes each client's training and local test inputs; with domains, the official
+    test set becomes one transformed copy per domain, and ``test_domains`` says which copy each sample is in.
     """
     use_local_union = merged or not ds.has_test_set
     if use_local_union and local_test_fraction <= 0:
@@ -105,38 +123,40 @@ def federate(
             f"dataset {ds.name!r} has no separate test set here (merged or natural split): set "
             "partition.local_test_fraction (e.g. 0.2) so each client keeps a local test split"
         )
-    x_all, y_all = ds.x_train, ds.y_train
+    if test_parts is not None and (use_local_union or local_test_fraction > 0):
+        raise DataError("local test data come either from the official test set or from a split, not both")
+    skew = None if skew is None or skew.name == "none" else skew
+    x_all, y_all, domains_all = ds.x_train, ds.y_train, ds.domains_train
     if merged:
         x_all = np.concatenate([ds.x_train, ds.x_test])
         y_all = np.concatenate([ds.y_train, ds.y_test])
-    x_all = normalise(x_all, ds)
+        domains_all = None if domains_all is None else np.concatenate([ds.domains_train, ds.domains_test])
     rng = np.random.default_rng([seed, 0x5EED])
-    x_t = torch.from_numpy(np.ascontiguousarray(x_all)).to(device)
+    inputs = ClientInputs(ds, skew, len(parts), seed, device)
+    x_t = torch.from_numpy(np.ascontiguousarray(inputs.prepare(x_all)))
     y_t = torch.from_numpy(np.ascontiguousarray(y_all)).long().to(device)
-    if use_local_union:
-        x_test = y_test = None
-    else:
-        x_test = torch.from_numpy(np.ascontiguousarray(normalise(ds.x_test, ds))).to(device)
-        y_test = torch.from_numpy(np.ascontiguousarray(ds.y_test)).long().to(device)
-    if test_parts is not None and (use_local_union or local_test_fraction > 0):
-        raise DataError("local test data come either from the official test set or from a split, not both")
+    official = None if use_local_union else torch.from_numpy(np.ascontiguousarray(inputs.prepare(ds.x_test)))
     clients, counts, held_out = [], [], []
     for i, idx in enumerate(parts):
         tr, te = _split_local(np.asarray(idx), local_test_fraction, rng)
-        tr_t, te_t = torch.from_numpy(tr).to(device), torch.from_numpy(te).to(device)
-        client = ClientData(x=x_t[tr_t], y=y_t[tr_t], num_classes=ds.num_classes)
+        tr_t, te_t = torch.from_numpy(tr), torch.from_numpy(te)
+        client = ClientData(x=inputs.client(x_t[tr_t], i, 0), y=y_t[tr_t.to(device)], num_classes=ds.num_classes)
         if local_test_fraction > 0:
-            client.x_test, client.y_test = x_t[te_t], y_t[te_t]
+            client.x_test, client.y_test = inputs.client(x_t[te_t], i, 1), y_t[te_t.to(device)]
         elif test_parts is not None:
-            mine = torch.from_numpy(np.asarray(test_parts[i], np.int64)).to(device)
-            client.x_test, client.y_test = x_test[mine], y_test[mine]
+            mine = torch.from_numpy(np.asarray(test_parts[i], np.int64))
+            client.x_test = inputs.client(official[mine], i, 1)
+            client.y_test = torch.from_numpy(np.ascontiguousarray(ds.y_test))[mine].long().to(device)
         clients.append(client)
         counts.append(np.bincount(y_all[tr], minlength=ds.num_classes))
         held_out.append(te)
     if use_local_union:
-        te_all = torch.from_numpy(np.concatenate(held_out)).to(device)
-        x_test, y_test, source = x_t[te_all], y_t[te_all], "local-union"
+        x_test = torch.cat([c.x_test for c in clients])
+        y_test = torch.cat([c.y_test for c in clients])
+        test_domains = inputs.union_domains(held_out, domains_all)
+        source = "local-union"
     else:
+        x_test, y_test, test_domains = inputs.official_test(official, ds.y_test, ds.domains_test)
         source = "official"
     return FederatedDataset(
         name=ds.name,
@@ -150,4 +170,47 @@ def federate(
         pad_value=black_value(ds),
         white_value=white_value(ds),
         provenance=ds.provenance(),
+        test_domains=test_domains,
+        domain_names=skew.domain_names if skew is not None else (),
+        client_domains=skew.client_domains if skew is not None else (),
     )
+
+
+class ClientInputs:
+    """How a client's inputs are made: without a feature skew, the normalised arrays as they are (normalised once,
+    up front); with one, the raw inputs transformed per client (and per domain for the test set), then
+    normalised."""
+
+    def __init__(self, ds: ArrayDataset, skew: FeatureSkew | None, num_clients: int, seed: int, device) -> None:
+        self.ds, self.skew, self.num_clients, self.seed, self.device = ds, skew, num_clients, seed, device
+
+    def prepare(self, x: np.ndarray) -> np.ndarray:
+        return x if self.skew is not None else normalise(x, self.ds)
+
+    def client(self, x: torch.Tensor, i: int, role: int) -> torch.Tensor:
+        if self.skew is not None:
+            x = normalise_tensor(self.skew.client(x, i, self.num_clients, self.seed, role), self.ds)
+        return x.to(self.device)
+
+    def official_test(self, x: torch.Tensor, y: np.ndarray, domains: np.ndarray | None):
+        """The global test set, its labels and each sample's domain (None without domains)."""
+        y_t = torch.from_numpy(np.ascontiguousarray(y)).long()
+        skew = self.skew
+        if skew is None:
+            return x.to(self.device), y_t.to(self.device), None
+        if not skew.transforms_test_set:
+            natural = None if skew.name != "natural" else torch.from_numpy(np.asarray(domains, np.int64))
+            return normalise_tensor(x, self.ds).to(self.device), y_t.to(self.device), natural
+        k = len(skew.domain_names)
+        copies = torch.cat([normalise_tensor(skew.domain(x, d), self.ds) for d in range(k)])
+        which = torch.arange(k).repeat_interleave(len(y_t))
+        return copies.to(self.device), y_t.repeat(k).to(self.device), which
+
+    def union_domains(self, held_out: list[np.ndarray], domains_all: np.ndarray | None) -> torch.Tensor | None:
+        """The domain of each sample of the union of the clients' local test splits."""
+        skew = self.skew
+        if skew is None or not skew.domain_names:
+            return None
+        if skew.name == "natural":
+            return torch.from_numpy(np.asarray(domains_all, np.int64)[np.concatenate(held_out)])
+        return torch.cat([torch.full((len(te),), skew.client_domains[i]) for i, te in enumerate(held_out)])

@@ -59,6 +59,10 @@ class ArrayDataset:
     class_names: list[str] | None = None
     groups_train: np.ndarray | None = None
     groups_test: np.ndarray | None = None
+    # a domain id per sample (writer, hospital, camera) in [0, len(domain_names)): natural feature skew
+    domains_train: np.ndarray | None = None
+    domains_test: np.ndarray | None = None
+    domain_names: list[str] | None = None
     extra: dict = field(default_factory=dict)
     source_dir: str | None = None
     source_files: tuple[str, ...] = ()
@@ -71,6 +75,7 @@ class ArrayDataset:
     def __post_init__(self) -> None:
         if len(self.x_train) != len(self.y_train) or len(self.x_test) != len(self.y_test):
             raise DataError(f"dataset {self.name!r}: inputs and labels have different lengths")
+        self.check_domains()
         if not self.content_hash:
             self.content_hash = self.array_hash()
 
@@ -87,13 +92,31 @@ class ArrayDataset:
             keep.append(rng.choice(idx, size=max(1, round(fraction * len(idx))), replace=False))
         keep = np.sort(np.concatenate(keep))
         groups = None if self.groups_train is None else self.groups_train[keep]
+        domains = None if self.domains_train is None else self.domains_train[keep]
         extra = {**self.extra, "train_fraction": fraction}
-        return replace(self, x_train=self.x_train[keep], y_train=self.y_train[keep], groups_train=groups, extra=extra)
+        x, y = self.x_train[keep], self.y_train[keep]
+        return replace(self, x_train=x, y_train=y, groups_train=groups, domains_train=domains, extra=extra)
+
+    def check_domains(self) -> None:
+        """Domain ids, where given, are one per sample in [0, len(domain_names)), for train and test alike."""
+        if self.domains_train is None and self.domains_test is None:
+            return
+        if self.domains_train is None or self.domains_test is None or not self.domain_names:
+            raise DataError(f"dataset {self.name!r}: domains need domains_train, domains_test and domain_names")
+        for split, ids, y in (("train", self.domains_train, self.y_train), ("test", self.domains_test, self.y_test)):
+            if len(ids) != len(y):
+                raise DataError(f"dataset {self.name!r}: {len(ids)} {split} domain ids for {len(y)} samples")
+            if len(ids) and (ids.min() < 0 or ids.max() >= len(self.domain_names)):
+                raise DataError(
+                    f"dataset {self.name!r}: {split} domain ids outside [0, {len(self.domain_names)}) "
+                    f"(domain_names has {len(self.domain_names)})"
+                )
 
     def array_hash(self) -> str:
         """sha256 over the name, dtype, shape and bytes of each array (train, test, groups), in that order."""
         arrays = {"x_train": self.x_train, "y_train": self.y_train, "x_test": self.x_test, "y_test": self.y_test}
         arrays |= {"groups_train": self.groups_train, "groups_test": self.groups_test}
+        arrays |= {"domains_train": self.domains_train, "domains_test": self.domains_test}
         digest = hashlib.sha256()
         for name, array in arrays.items():
             if array is not None:

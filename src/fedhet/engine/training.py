@@ -155,6 +155,7 @@ def attach_privacy(cfg: Config, algo: Algorithm, flat: FlatModel, fed: Federated
 
 def build_federation(cfg: Config) -> FederatedDataset:
     from fedhet.data.datasets import load_dataset
+    from fedhet.data.features import feature_skew
     from fedhet.data.partition import label_counts, match_test, natural_test, partition
 
     plugins.load(cfg.run.plugins)  # a Flower node builds its data here without resolving the config first
@@ -190,6 +191,7 @@ def build_federation(cfg: Config) -> FederatedDataset:
         seed=seed,
         device=cfg.run.device,
         test_parts=test_parts,
+        skew=feature_skew(cfg.features.name, ds, p.num_clients, **cfg.features.params()),
     )
 
 

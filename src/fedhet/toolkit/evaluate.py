@@ -183,7 +183,25 @@ def evaluate_global(
     out = {"test_acc": stats.acc, "test_loss": stats.loss, "client_dist_acc": float(dist_acc.mean())}
     if samples is not None:
         out["client_dist_acc_sampled"] = sampled_distribution_acc(stats.hits, samples)
+    out.update(domain_acc(stats.hits, fed))
     out.update(fairness(client_accuracy(model, fed, batch_size, dist_acc=dist_acc), fed.sizes))
+    return out
+
+
+def domain_acc(hits: np.ndarray, fed: FederatedDataset) -> dict[str, float]:
+    """Under a feature skew with domains, the accuracy on each domain's test samples (``test_acc/domain/<name>``)
+    and on the worst of them (``test_acc/domain/worst``); nothing otherwise. A domain without test samples is left
+    out."""
+    if fed.test_domains is None:
+        return {}
+    which = fed.test_domains.numpy()
+    out = {}
+    for k, name in enumerate(fed.domain_names):
+        mine = which == k
+        if mine.any():
+            out[f"test_acc/domain/{name}"] = float(hits[mine].mean())
+    if out:
+        out["test_acc/domain/worst"] = min(out.values())
     return out
 
 
