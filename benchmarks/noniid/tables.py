@@ -1,0 +1,141 @@
+"""The table and plot of docs/non-iid.md from run.sh's folders.
+
+Usage: python benchmarks/noniid/tables.py [OUT] [--plot PNG]   (OUT default runs/noniid-fmnist)
+
+Reads OUT/<kind>/<method>-s<seed> and, for cells not there, the archived copies in benchmarks/noniid/results (see
+benchmarks/reproduce/archive.py). A cell is the final evaluation's global test accuracy, mean ± std over the seeds
+that reached the last round, then in brackets the worst part of the federation: the worst domain's accuracy
+(test_acc/domain/worst) under domains, else the worst client's on its own test data (client_acc_min). FedBN's and
+FedRoD's personalised accuracy (each client's own model on its own test data, micro average) is a second table,
+since those methods are meant to be used that way. A cell lists its seeds; one whose runs have not all reached the
+last round shows only the finished seeds and says how many are unfinished."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from statistics import mean, pstdev
+
+from fedhet.config import load_config
+
+KINDS = {
+    "iid": "IID",
+    "dir0.5": "Dir(0.5)",
+    "dir0.1": "Dir(0.1)",
+    "two_classes": "2 classes",
+    "noise": "noise σ=0.1",
+    "rotated": "rotated ×4",
+    "quantity": "quantity",
+}
+METHODS = ["fedavg", "fedprox", "scaffold", "fednova", "feddyn", "moon", "fedbn", "fedrod"]
+PERSONAL = ["fedbn", "fedrod"]
+ARCHIVE = Path(__file__).parent / "results"
+
+
+def records(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line torn by a kill: the records before it stand
+            break
+    return out
+
+
+def runs(out: Path, kind: str, method: str) -> dict[int, list[dict]]:
+    """seed -> the evaluation records of the cell's run, from OUT or else the archive."""
+    found = {}
+    for root in (ARCHIVE, out):  # a live folder wins over its archived copy
+        for run in sorted((root / kind).glob(f"{method}-s*")):
+            recs = records(run)
+            if recs:
+                found[int(run.name.rsplit("-s", 1)[1])] = recs
+    return found
+
+
+def final_rounds() -> int:
+    """The rounds every cell runs (fmnist.toml's run.rounds)."""
+    return load_config(Path(__file__).parent / "fmnist.toml").run.rounds
+
+
+def worst(record: dict) -> float:
+    return record.get("test_acc/domain/worst", record.get("client_acc_min"))
+
+
+def cell(found: dict[int, list[dict]], rounds: int, key=lambda r: r["test_acc"], with_worst=True) -> str:
+    done = {seed: recs[-1] for seed, recs in found.items() if recs[-1]["round"] >= rounds}
+    if not done:
+        return "–" if not found else f"(running: round {max(r[-1]['round'] for r in found.values())})"
+    accs = [100 * key(r) for r in done.values()]
+    text = f"{mean(accs):.1f} ± {pstdev(accs):.1f}" if len(accs) > 1 else f"{accs[0]:.1f}"
+    if with_worst:
+        text += f" ({mean(100 * worst(r) for r in done.values()):.1f})"
+    text += f" <sub>s{','.join(map(str, sorted(done)))}</sub>"
+    if len(done) < len(found):
+        text += f" +{len(found) - len(done)} unfinished"
+    return text
+
+
+def table(out: Path, rounds: int, methods: list[str], **kw) -> list[str]:
+    lines = ["| method | " + " | ".join(KINDS.values()) + " |", "|---|" + "---|" * len(KINDS)]
+    for method in methods:
+        cells = [cell(runs(out, kind, method), rounds, **kw) for kind in KINDS]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def plot(out: Path, path: Path) -> None:
+    """One panel per kind: the global test accuracy against rounds, mean over the seeds found, per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7.5), sharey=True)
+    colours = plt.get_cmap("tab10")
+    for ax, (kind, title) in zip(axes.flat, KINDS.items(), strict=False):
+        for i, method in enumerate(METHODS):
+            found = runs(out, kind, method)
+            if not found:
+                continue
+            by_round: dict[int, list[float]] = {}
+            for recs in found.values():
+                for r in recs:
+                    by_round.setdefault(r["round"], []).append(100 * r["test_acc"])
+            xs = sorted(by_round)
+            ax.plot(xs, [mean(by_round[x]) for x in xs], marker=".", color=colours(i), label=method)
+        ax.set_title(title)
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+    axes.flat[0].set_ylabel("global test accuracy (%)")
+    axes.flat[4].set_ylabel("global test accuracy (%)")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    axes.flat[-1].axis("off")
+    axes.flat[-1].legend(handles, labels, loc="center", fontsize=12)
+    fig.suptitle("Fashion-MNIST, 10 clients, mean over the seeds run (benchmarks/noniid)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", default="runs/noniid-fmnist", type=Path)
+    parser.add_argument("--plot", type=Path, help="also draw the accuracy curves, one panel per kind")
+    args = parser.parse_args()
+    rounds = final_rounds()
+    print(f"Global test accuracy (%) after {rounds} rounds (worst domain or client in brackets):\n")
+    print("\n".join(table(args.out, rounds, METHODS)))
+    print(f"\nPersonalised accuracy (%) after {rounds} rounds (each client's own model, micro average):\n")
+    personal = {"key": lambda r: r["personal_acc_micro"], "with_worst": False}
+    print("\n".join(table(args.out, rounds, PERSONAL, **personal)))
+    if args.plot:
+        plot(args.out, args.plot)
+        print(f"\nplot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
