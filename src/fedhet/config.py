@@ -291,6 +291,30 @@ class ServerSection(_Component):
     geomed_eps: float = Field(1e-6, gt=0.0)  # geomed: nu, the smoothing of the distances (RFA's Algorithm 2)
     # Sun et al. 2019: every client delta scaled to norm at most this before any aggregation rule; None: off
     norm_bound: float | None = Field(None, gt=0.0)
+    # "sync": rounds in which the server waits for every sampled client; "fedbuff": FedBuff (Nguyen et al. 2022), on
+    # the simulated clock clients train from the model version they downloaded and the server steps every
+    # server.buffer_size arrivals (docs/system-heterogeneity.md); a round is then one server step
+    mode: Literal["sync", "fedbuff"] = "sync"
+    buffer_size: int = Field(10, ge=1)  # fedbuff: K, the updates per server step (the paper's K = 10)
+    # fedbuff: the clients training at once, each slot refilled by a uniform draw from the idle clients when its
+    # update arrives; None: the clients per round of train.participation / train.clients_per_round
+    concurrency: int | None = Field(None, ge=1)
+    # fedbuff: the weight of an update that is t - tau server steps stale: "polynomial" (1 + t - tau)^-a, the paper's
+    # choice with a = 0.5, or "constant" 1
+    staleness: Literal["polynomial", "constant"] = "polynomial"
+    staleness_exponent: float = Field(0.5, gt=0.0)  # fedbuff: a in the polynomial weight (the paper's 0.5)
+
+    @model_validator(mode="after")
+    def _fedbuff_options_need_fedbuff(self) -> ServerSection:
+        fields = ServerSection.model_fields
+        for key in ("buffer_size", "concurrency", "staleness", "staleness_exponent"):
+            if self.mode != "fedbuff" and getattr(self, key) != fields[key].default:
+                raise ValueError(f"server.{key} applies only with server.mode='fedbuff' (got mode {self.mode!r})")
+        if self.staleness != "polynomial" and self.staleness_exponent != fields["staleness_exponent"].default:
+            raise ValueError(
+                f"server.staleness_exponent applies only with server.staleness='polynomial' (got {self.staleness!r})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _options_need_their_rule(self) -> ServerSection:

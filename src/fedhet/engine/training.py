@@ -22,6 +22,7 @@ from fedhet.config import RESUMABLE_CHANGES, Config
 from fedhet.data.augment import build_augment
 from fedhet.data.federated import FederatedDataset, federate
 from fedhet.engine.attack import Attack
+from fedhet.engine.buffered import check_fedbuff
 from fedhet.engine.client import ClientRunner
 from fedhet.errors import ConfigError
 from fedhet.toolkit.flat import FlatModel
@@ -45,6 +46,7 @@ def resolve_config(cfg: Config) -> dict[str, Any]:
     check_aggregation(cfg)
     check_privacy(cfg)
     check_optimizer(cfg)
+    check_fedbuff(cfg)
     if cfg.attack.kind != "none" and ALGORITHMS.get(cfg.algorithm.name).obj.pools_clients:
         raise ConfigError(
             f"attack.kind={cfg.attack.kind!r} makes some clients malicious, and {cfg.algorithm.name} trains one client "

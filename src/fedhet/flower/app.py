@@ -117,11 +117,21 @@ def secure_aggregation(cfg: Config, options: RunOptions, nodes: Nodes, fed) -> S
         raise ConfigError(f"secure-aggregation={SECAGG!r}: {err}") from None
 
 
+def check_synchronous(cfg: Config) -> None:
+    """The Flower server runs synchronous rounds: ``server.mode = "fedbuff"`` is refused in one line."""
+    if cfg.server.mode != "sync":
+        raise ConfigError(
+            f"server.mode={cfg.server.mode!r} runs on the simulated clock of `fedhet run` and `fedhet compare`; "
+            "the Flower server's rounds are synchronous (use server.mode='sync')"
+        )
+
+
 def run_server(grid: Grid, cfg: Config, options: RunOptions, console: Console | None = None) -> dict[str, Any]:
     """Find the nodes, then run the engine's round loop over them; returns the run's summary."""
     from fedhet.engine.simulation import Simulation, resolve_config
 
     resolve_config(cfg)  # a wrong name or value fails here, before waiting for any node
+    check_synchronous(cfg)
     if options.secure_aggregation is not None:
         why = refusal(cfg, options.secure_aggregation)
         if why:  # before waiting for any node
