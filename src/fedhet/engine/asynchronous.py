@@ -34,6 +34,7 @@ from fedhet.algorithms import Reply
 from fedhet.engine.buffered import buffered_target, fedbuff_concurrency, staleness_weight
 from fedhet.engine.client import RoundResult
 from fedhet.engine.simulation import Simulation
+from fedhet.engine.system import DROPOUT_STREAM, STRAGGLER_STREAM, SystemModel
 from fedhet.errors import RunFailed
 from fedhet.toolkit.local import derive_seed
 
@@ -50,6 +51,8 @@ class Flight:
     version: int
     start: float
     arrival: float
+    steps: int | None = None  # a straggler's local steps (its budget); None: its full count
+    lost: str | None = None  # "straggler" (its work dropped) or "dropout" (failed before replying): never trains
     trained: bool = False
     update: torch.Tensor | None = None  # the client's model minus the version it downloaded
     buffer_update: torch.Tensor | None = None  # the same for the floating buffers (BatchNorm statistics)
@@ -61,7 +64,8 @@ class Flight:
 
     def state(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            k: getattr(self, k) for k in ("cid", "dispatch", "version", "start", "arrival", "trained", "failure")
+            k: getattr(self, k)
+            for k in ("cid", "dispatch", "version", "start", "arrival", "steps", "lost", "trained", "failure")
         }
         out.update(update=self.update, buffer_update=self.buffer_update)
         if self.reply is not None:
@@ -88,6 +92,7 @@ class FedBuffSchedule:
     and the counters. In the sampler's place in ``Simulation``: its ``state_dict`` goes into the checkpoint."""
 
     COUNTERS = (
+        "lost",
         "clock",
         "version",
         "dispatched",
@@ -107,6 +112,7 @@ class FedBuffSchedule:
         self.waves = 0  # training waves so far
         self.arrivals = 0  # updates that arrived, failed ones too
         self.failed_streak = 0  # arrivals in a row that brought no update
+        self.lost = 0  # updates the system model dropped (stragglers under "drop", dropouts) since the last evaluation
         # the staleness of the updates that entered a server step since the last evaluation: sum, count, largest
         self.stale_sum, self.stale_n, self.stale_max = 0, 0, 0
         self.heap: list[tuple[float, int, Flight]] = []  # (arrival, dispatch, flight): ties go in dispatch order
@@ -121,8 +127,7 @@ class FedBuffSchedule:
         idle = self.idle()
         return [idle[i] for i in rng.choice(len(idle), size=n, replace=False)]
 
-    def push(self, cid: int, duration: float) -> None:
-        flight = Flight(cid, self.dispatched, self.version, self.clock, self.clock + duration)
+    def push(self, flight: Flight) -> None:
         self.dispatched += 1
         heapq.heappush(self.heap, (flight.arrival, flight.dispatch, flight))
 
@@ -188,9 +193,12 @@ class BufferedSimulation(Simulation):
             flight = schedule.pop()
             if not flight.trained:
                 self.train_wave([flight, *schedule.untrained()])
-            if flight.failure is not None:
-                failures.append({**flight.failure, "round": rnd})
-                self.folder.failures_log.append(failures[-1])
+            if flight.lost or flight.failure is not None:
+                if flight.failure is not None:
+                    failures.append({**flight.failure, "round": rnd})
+                    self.folder.failures_log.append(failures[-1])
+                else:
+                    schedule.lost += 1
                 schedule.failed_streak += 1
                 self.check_streak(rnd)
             else:
@@ -207,19 +215,41 @@ class BufferedSimulation(Simulation):
                 return result
 
     def dispatch(self, n: int) -> None:
-        schedule = self.schedule
+        """``n`` idle clients start from the current version; the system model says when each update arrives."""
+        schedule, system = self.schedule, self.system
+        assert system is not None  # server.mode = "fedbuff" needs [system] (engine/buffered.py)
         for cid in schedule.draw(n):
-            schedule.push(cid, self.duration(cid))
+            flight = Flight(cid, schedule.dispatched, schedule.version, schedule.clock, schedule.clock)
+            self.plan_work(flight)
+            flight.arrival = schedule.clock + system.arrival(cid, flight.steps or system.full[cid])
+            schedule.push(flight)
 
-    def duration(self, cid: int) -> float:
-        raise NotImplementedError
+    def plan_work(self, flight: Flight) -> None:
+        """The system model's stragglers and dropouts, per dispatch: it is a straggler with probability
+        ``system.stragglers`` (uniform steps in [1, full]; dropped or kept as ``system.straggler_policy`` says), and
+        fails before replying with probability ``system.dropout``; draws from (seed, dispatch index, client)."""
+        system, d, cid = self.system, flight.dispatch, flight.cid
+        assert system is not None
+        settings = system.system
+        if settings.stragglers > 0 and system.uniform(d, cid, STRAGGLER_STREAM) < settings.stragglers:
+            flight.steps = system.straggler_steps(d, cid, system.full[cid])
+            if settings.straggler_policy == "drop":
+                flight.lost = "straggler"
+        if settings.dropout > 0 and system.uniform(d, cid, DROPOUT_STREAM) < settings.dropout and not flight.lost:
+            flight.lost = "dropout"
+        if flight.lost:
+            flight.trained = True  # nothing to train: its update never comes
 
     def train_wave(self, flights: list[Flight]) -> None:
         """Train ``flights``, every client dispatched since the last server step (all from the current version), as
         one phase of the executor."""
         schedule = self.schedule
+        flights = [f for f in flights if not f.lost]
+        if not flights:
+            return
         schedule.waves += 1
         msgs = self.algo.configure(schedule.version + 1, [f.cid for f in flights], PHASE)
+        msgs = SystemModel.limit(msgs, {f.cid: f.steps for f in flights if f.steps is not None})
         replies, failures = self.executor.run_phase(schedule.waves, 0, PHASE, msgs)
         failed = {record["client"]: record for record in failures}
         x, b = self.algo.global_params, self.algo.global_buffers
@@ -258,6 +288,8 @@ class BufferedSimulation(Simulation):
         self.seen.update(by_client)
         schedule.version += 1
         schedule.count_staleness(stale)
+        assert self.system is not None
+        self.system.time = schedule.clock  # the clock a checkpoint keeps in the system model's place too
         if failures:
             self.display.dropped(rnd, PHASE, failures, len(failures) + len(buffer))
         self.health.record_round(rnd, [], self.run_dir / "failures.jsonl")
@@ -289,4 +321,5 @@ class BufferedSimulation(Simulation):
             {"sim/time": schedule.clock, "async/version": schedule.version, "async/updates": schedule.arrivals}
         )
         record.update(schedule.staleness_metrics())
+        record["async/lost"], schedule.lost = schedule.lost, 0
         return record

@@ -74,6 +74,12 @@ def check_fedbuff(cfg: Config) -> None:
             f"server.mode='fedbuff' keeps {cls.name}'s clients and replaces its server, but {why}; "
             f"algorithms that run under it: {able}"
         )
+    _, params = ALGORITHMS.parse(cfg.algorithm.name, cfg.algorithm.params())
+    if getattr(params, "aggregation", None) == "gne":
+        raise ConfigError(
+            f"{cls.name} averages with GNE's Nash-bargaining weights (algorithm.aggregation='gne'), which "
+            "server.mode='fedbuff' replaces by its staleness-weighted mean; set algorithm.aggregation='samples'"
+        )
     n, concurrency = cfg.partition.num_clients, fedbuff_concurrency(cfg)
     if concurrency > n:
         raise ConfigError(
@@ -90,6 +96,23 @@ def check_fedbuff(cfg: Config) -> None:
             "privacy.mode='central' is accounted for a fixed number of clients sampled per round, and "
             "server.mode='fedbuff' has no rounds; use privacy.mode='local' or 'none'"
         )
+    system = cfg.system
+    if not system.active:
+        raise ConfigError(
+            "server.mode='fedbuff' runs on the simulated clock, which needs the clients' speeds: set system.profiles "
+            "to one of constant, uniform, lognormal, tiers, trace"
+        )
+    per_round = [
+        ("system.deadline", system.deadline is not None, "unset it"),
+        ("system.over_selection", system.over_selection > 0, "set it to 0; server.concurrency sets how many train"),
+        (f"system.availability={system.availability!r}", system.availability != "always", "use 'always'"),
+    ]
+    for what, given, fix in per_round:
+        if given:
+            raise ConfigError(
+                f"{what} acts on a synchronous round, and server.mode='fedbuff' has none (it refills each slot as its "
+                f"update arrives); {fix}"
+            )
     if cfg.train.sampling != "uniform":
         raise ConfigError(
             f"train.sampling={cfg.train.sampling!r} chooses a round's clients; server.mode='fedbuff' refills each "
