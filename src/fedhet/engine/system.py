@@ -113,7 +113,8 @@ def read_trace(path: Path, num_clients: int) -> Profiles:
     for line, row in enumerate(rows[1:], start=2):
         if not row or not "".join(row).strip():
             continue
-        values[trace_row(row, line, where, num_clients, values)] = [float(v) for v in row[1:]]
+        cid = trace_row(row, line, where, num_clients, values)  # checked before a value is read
+        values[cid] = [float(v) for v in row[1:]]
     missing = [c for c in range(num_clients) if np.isnan(values[c, 0])]
     if missing:
         shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")

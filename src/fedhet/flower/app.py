@@ -132,6 +132,11 @@ def run_server(grid: Grid, cfg: Config, options: RunOptions, console: Console | 
 
     resolve_config(cfg)  # a wrong name or value fails here, before waiting for any node
     check_synchronous(cfg)
+    if cfg.system.active:  # simulated devices over real ones would mix two clocks and two kinds of failure
+        raise ConfigError(
+            f"system.profiles={cfg.system.profiles!r} simulates devices in fedhet run; a Flower deployment has real "
+            "ones, whose failures go to failures.jsonl (docs/system-heterogeneity.md): use system.profiles='none'"
+        )
     if options.secure_aggregation is not None:
         why = refusal(cfg, options.secure_aggregation)
         if why:  # before waiting for any node
