@@ -383,3 +383,56 @@ def test_without_a_system_model_nothing_changes(tiny_config):
     assert sim.system is None
     assert not any(key.startswith("sim/") for key in lines(sim)[0])
     assert "system" not in read_checkpoint(sim.checkpoint_path)
+
+
+COMPOSE = {"profiles": "uniform", "stragglers": 0.5, "straggler_policy": "partial", "dropout": 0.2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", __import__("fedhet.algorithms", fromlist=["ALGORITHMS"]).ALGORITHMS.names())
+def test_every_algorithm_takes_the_system_model_or_refuses_it_in_one_line(tiny_config, algorithm):
+    params = {"pfedme": {"inner_steps": 2}}.get(algorithm, {})
+    cfg = tiny_config(
+        run={"rounds": 2, "name": algorithm},
+        partition={"local_test_fraction": 0.2},
+        train={"clients_per_round": 4},
+        algorithm={"name": algorithm, **params},
+        system={**COMPOSE, "over_selection": 0.5},
+    )
+    try:
+        resolve_config(cfg)
+    except ConfigError as err:
+        assert algorithm == "centralized" and "\n" not in str(err)
+        return
+    sim = Simulation(cfg)
+    assert sim.run()["status"] == "finished"
+    assert all("sim/time" in r for r in lines(sim))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("server", "privacy"),
+    [
+        ({"name": "fedadam", "lr": 0.01}, {}),
+        ({"name": "sgd", "aggregation": "median"}, {}),
+        ({"name": "sgd", "aggregation": "krum", "byzantine": 0}, {}),
+        ({"name": "sgd"}, {"mode": "central", "noise_multiplier": 0.5, "clip": 1.0}),
+        ({"name": "sgd"}, {"mode": "local", "noise_multiplier": 0.5, "clip": 1.0}),
+    ],
+)
+def test_server_optimisers_robust_rules_and_dp_take_the_system_model(tiny_config, server, privacy):
+    cfg = tiny_config(
+        run={"rounds": 2},
+        train={"clients_per_round": 4},
+        server=server,
+        **({"privacy": privacy} if privacy else {}),
+        system=COMPOSE,
+    )
+    sim = Simulation(cfg)
+    summary = sim.run()
+    assert summary["status"] == "finished"
+    if privacy.get("mode") == "local":  # the ledger counts the steps each client really trained
+        ledger = sim.algo.privacy.steps
+        assert sum(steps for _, steps in ledger.values()) == sum(
+            r["clients/steps/mean"] * r["clients"] for r in lines(sim)
+        )
