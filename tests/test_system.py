@@ -436,3 +436,34 @@ def test_server_optimisers_robust_rules_and_dp_take_the_system_model(tiny_config
         assert sum(steps for _, steps in ledger.values()) == sum(
             r["clients/steps/mean"] * r["clients"] for r in lines(sim)
         )
+
+
+def test_report_plots_against_simulated_time(tiny_config, tmp_path):
+    from typer.testing import CliRunner
+
+    from fedhet.cli import app
+    from fedhet.results.plots import seed_curve
+    from fedhet.results.report import load_runs
+
+    sims = []
+    for seed in (0, 1):
+        sim = Simulation(tiny_config(run={"rounds": 3, "seed": seed}, system={"profiles": "lognormal"}))
+        sim.run()
+        sims.append(sim)
+    runs = load_runs([sims[0].run_dir.parent])
+    x, mean, _ = seed_curve(runs, "test_acc", x="sim/time")
+    times = [[r["sim/time"] for r in lines(s)] for s in sims]
+    assert x.tolist() == pytest.approx([(a + b) / 2 for a, b in zip(*times, strict=True)])  # the seeds' mean
+    acc = [[r["test_acc"] for r in lines(s)] for s in sims]
+    assert mean.tolist() == pytest.approx([(a + b) / 2 for a, b in zip(*acc, strict=True)])
+    rounds, _, _ = seed_curve(runs, "test_acc")
+    assert rounds.tolist() == [1, 2, 3]
+    runner = CliRunner()
+    out = runner.invoke(
+        app, ["report", str(sims[0].run_dir.parent), "--x", "sim/time", "--plot", str(tmp_path / "t.png")]
+    )
+    assert out.exit_code == 0 and (tmp_path / "t.png").stat().st_size > 0
+    bad = runner.invoke(app, ["report", str(sims[0].run_dir.parent), "--x", "time"])
+    # a ConfigError: the command line prints it as one line and exits 2
+    assert isinstance(bad.exception, ConfigError)
+    assert str(bad.exception) == "unknown --x 'time'; choose one of: round, sim/time"
