@@ -383,3 +383,87 @@ def test_without_a_system_model_nothing_changes(tiny_config):
     assert sim.system is None
     assert not any(key.startswith("sim/") for key in lines(sim)[0])
     assert "system" not in read_checkpoint(sim.checkpoint_path)
+
+
+COMPOSE = {"profiles": "uniform", "stragglers": 0.5, "straggler_policy": "partial", "dropout": 0.2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", __import__("fedhet.algorithms", fromlist=["ALGORITHMS"]).ALGORITHMS.names())
+def test_every_algorithm_takes_the_system_model_or_refuses_it_in_one_line(tiny_config, algorithm):
+    params = {"pfedme": {"inner_steps": 2}}.get(algorithm, {})
+    cfg = tiny_config(
+        run={"rounds": 2, "name": algorithm},
+        partition={"local_test_fraction": 0.2},
+        train={"clients_per_round": 4},
+        algorithm={"name": algorithm, **params},
+        system={**COMPOSE, "over_selection": 0.5},
+    )
+    try:
+        resolve_config(cfg)
+    except ConfigError as err:
+        assert algorithm == "centralized" and "\n" not in str(err)
+        return
+    sim = Simulation(cfg)
+    assert sim.run()["status"] == "finished"
+    assert all("sim/time" in r for r in lines(sim))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("server", "privacy"),
+    [
+        ({"name": "fedadam", "lr": 0.01}, {}),
+        ({"name": "sgd", "aggregation": "median"}, {}),
+        ({"name": "sgd", "aggregation": "krum", "byzantine": 0}, {}),
+        ({"name": "sgd"}, {"mode": "central", "noise_multiplier": 0.5, "clip": 1.0}),
+        ({"name": "sgd"}, {"mode": "local", "noise_multiplier": 0.5, "clip": 1.0}),
+    ],
+)
+def test_server_optimisers_robust_rules_and_dp_take_the_system_model(tiny_config, server, privacy):
+    cfg = tiny_config(
+        run={"rounds": 2},
+        train={"clients_per_round": 4},
+        server=server,
+        **({"privacy": privacy} if privacy else {}),
+        system=COMPOSE,
+    )
+    sim = Simulation(cfg)
+    summary = sim.run()
+    assert summary["status"] == "finished"
+    if privacy.get("mode") == "local":  # the ledger counts the steps each client really trained
+        ledger = sim.algo.privacy.steps
+        assert sum(steps for _, steps in ledger.values()) == sum(
+            r["clients/steps/mean"] * r["clients"] for r in lines(sim)
+        )
+
+
+def test_report_plots_against_simulated_time(tiny_config, tmp_path):
+    from typer.testing import CliRunner
+
+    from fedhet.cli import app
+    from fedhet.results.plots import seed_curve
+    from fedhet.results.report import load_runs
+
+    sims = []
+    for seed in (0, 1):
+        sim = Simulation(tiny_config(run={"rounds": 3, "seed": seed}, system={"profiles": "lognormal"}))
+        sim.run()
+        sims.append(sim)
+    runs = load_runs([sims[0].run_dir.parent])
+    x, mean, _ = seed_curve(runs, "test_acc", x="sim/time")
+    times = [[r["sim/time"] for r in lines(s)] for s in sims]
+    assert x.tolist() == pytest.approx([(a + b) / 2 for a, b in zip(*times, strict=True)])  # the seeds' mean
+    acc = [[r["test_acc"] for r in lines(s)] for s in sims]
+    assert mean.tolist() == pytest.approx([(a + b) / 2 for a, b in zip(*acc, strict=True)])
+    rounds, _, _ = seed_curve(runs, "test_acc")
+    assert rounds.tolist() == [1, 2, 3]
+    runner = CliRunner()
+    out = runner.invoke(
+        app, ["report", str(sims[0].run_dir.parent), "--x", "sim/time", "--plot", str(tmp_path / "t.png")]
+    )
+    assert out.exit_code == 0 and (tmp_path / "t.png").stat().st_size > 0
+    bad = runner.invoke(app, ["report", str(sims[0].run_dir.parent), "--x", "time"])
+    # a ConfigError: the command line prints it as one line and exits 2
+    assert isinstance(bad.exception, ConfigError)
+    assert str(bad.exception) == "unknown --x 'time'; choose one of: round, sim/time"
