@@ -57,7 +57,6 @@ def test_server_step_is_the_staleness_weighted_buffer_through_the_server_lr(tiny
         tiny_config, server={"lr": 0.5, "buffer_size": 3}, algorithm={"name": "fedavg", "weighting": "uniform"}
     )
     sim = BufferedSimulation(cfg)
-    sim.folder.open_logs = lambda: None  # no run folder needed for one step
     x = sim.algo.global_params.clone()
     n = x.numel()
     updates = [torch.full((n,), 1.0), torch.full((n,), -2.0), torch.full((n,), 4.0)]
@@ -67,7 +66,6 @@ def test_server_step_is_the_staleness_weighted_buffer_through_the_server_lr(tiny
         flight.buffer_update = torch.zeros_like(sim.algo.global_buffers) if sim.algo.global_buffers.numel() else None
         flight.reply = Reply(num_examples=10 * (i + 1), metrics={"train_loss": 1.0})
         sim.buffer.append(flight)
-    sim.health.record_round = lambda *a: None
     sim.server_step(1, [])
     mean = (1.0 * 1.0 + (-2.0) / math.sqrt(2) + 4.0 / 2) / 3  # sum_i s_i Delta_i / K
     torch.testing.assert_close(sim.algo.global_params, x + 0.5 * mean, rtol=0, atol=1e-6)
@@ -172,8 +170,10 @@ def test_fedbuff_is_bit_identical_when_repeated(tiny_config):
     assert sum(r["async/lost"] for r in ra) > 0  # the dropouts did happen
 
 
-@pytest.mark.parametrize("store", ["memory", "disk"])
-def test_fedbuff_kill_and_resume_is_bit_exact(tiny_config, kill_and_resume, store):
+@pytest.mark.parametrize(
+    ("store", "executor"), [("memory", "sequential"), ("disk", "sequential"), ("memory", "batched")]
+)
+def test_fedbuff_kill_and_resume_is_bit_exact(tiny_config, kill_and_resume, store, executor):
     """Stragglers keep partial work, dropouts, client-held optimiser state and server momentum: the in-flight
     clients, trained and not, come back from the checkpoint and the resumed run is the uninterrupted one, bit for
     bit."""
@@ -181,7 +181,14 @@ def test_fedbuff_kill_and_resume_is_bit_exact(tiny_config, kill_and_resume, stor
     def make(name):
         return fedbuff_config(
             tiny_config,
-            run={"name": name, "rounds": 8, "eval_every": 2, "checkpoint_every": 3, "client_state": store},
+            run={
+                "name": name,
+                "rounds": 8,
+                "eval_every": 2,
+                "checkpoint_every": 3,
+                "client_state": store,
+                "executor": executor,
+            },
             algorithm={"name": "fedprox", "mu": 0.1},
             server={"name": "fedavgm", "buffer_size": 3},
             train={"momentum": 0.5, "optimizer_state": "client"},

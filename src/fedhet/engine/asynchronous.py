@@ -33,6 +33,7 @@ import torch
 from fedhet.algorithms import Reply
 from fedhet.engine.buffered import buffered_target, fedbuff_concurrency, staleness_weight
 from fedhet.engine.client import RoundResult
+from fedhet.engine.health import nonfinite
 from fedhet.engine.simulation import Simulation
 from fedhet.engine.system import DROPOUT_STREAM, STRAGGLER_STREAM, SystemModel
 from fedhet.errors import RunFailed
@@ -297,8 +298,6 @@ class BufferedSimulation(Simulation):
         return RoundResult(by_client, failures)
 
     def check_finite(self, rnd: int) -> None:
-        from fedhet.engine.health import nonfinite
-
         bad = nonfinite({"global_params": self.algo.global_params, "global_buffers": self.algo.global_buffers})
         if bad:
             raise RunFailed(f"server step {rnd}: the global model became non-finite ({', '.join(bad)})")
