@@ -47,13 +47,13 @@ def kill_and_resume():
     """Run a config to the end, and the same config killed after round ``stop_after`` and resumed.
 
     ``make(name)`` builds the config for a run name; returns ``(full, resumed)`` simulations for comparison."""
-    from fedhet.engine.simulation import Simulation
+    from fedhet.engine.runs import build_simulation
 
     def run(make, stop_after: int = 2):
-        full = Simulation(make("full"))
+        full = build_simulation(make("full"))
         full.run()
-        Simulation(make("cut")).run(stop_after=stop_after)  # the "kill": the process ends after a checkpoint
-        resumed = Simulation(make("cut"))
+        build_simulation(make("cut")).run(stop_after=stop_after)  # the "kill": the process ends after a checkpoint
+        resumed = build_simulation(make("cut"))
         resumed.run(resume=True)
         return full, resumed
 

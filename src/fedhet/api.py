@@ -184,11 +184,11 @@ def run(
     folder is an error. Progress goes to ``console`` (default: stderr; ``run.progress = false`` hides the bar).
     ``accept_changed_plugins`` resumes a run whose plug-in files changed since it recorded them (else refused)."""
     from fedhet.engine.rundir import check_run_flags
-    from fedhet.engine.simulation import Simulation
+    from fedhet.engine.runs import build_simulation
 
     check_run_flags(resume, overwrite)
     cfg = make_config(config, overrides, plugins=plugins, **shortcuts)
-    sim = Simulation(cfg, console=console)
+    sim = build_simulation(cfg, console=console)
     with _accepting_plugins(accept_changed_plugins):
         sim.run(resume=resume, overwrite=overwrite)
     return load_run(sim.run_dir)
@@ -214,12 +214,12 @@ def resume(
     plug-ins saved in it; ``plugins`` replaces those plug-ins (their files moved). A plug-in file edited since the
     run recorded it is refused unless ``accept_changed_plugins``."""
     from fedhet.config import saved_run_config
-    from fedhet.engine.simulation import Simulation
+    from fedhet.engine.runs import build_simulation
 
     more = [f"run.rounds={rounds}"] if rounds is not None else []
     if plugins is not None:
         more.append(f"run.plugins={[str(p) for p in plugins]!r}")
-    sim = Simulation(saved_run_config(run_dir, [*more, *overrides]), console=console)
+    sim = build_simulation(saved_run_config(run_dir, [*more, *overrides]), console=console)
     with _accepting_plugins(accept_changed_plugins):
         sim.run(resume=True)
     return load_run(sim.run_dir)

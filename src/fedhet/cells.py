@@ -300,7 +300,7 @@ def _forward_warnings(send: Callable[[str], None]) -> Iterator[None]:
 
 def _run_cell(name: str, raw: dict[str, Any], overwrite: bool, data: _DataCache, emit: Callable[[Event], None]):
     """Run one cell wherever this is called; every outcome but Ctrl-C becomes a CellResult."""
-    from fedhet.engine.simulation import Simulation
+    from fedhet.engine.runs import build_simulation
 
     raw["run"]["progress"] = False  # the cell's own bar would garble the shared display
     cfg = build_config(raw)
@@ -316,7 +316,7 @@ def _run_cell(name: str, raw: dict[str, Any], overwrite: bool, data: _DataCache,
     console = Console(file=_Lines(log), width=1000, color_system=None, force_terminal=False, highlight=False)
     try:
         with _forward_warnings(log):
-            sim = Simulation(cfg, fed=data.get(cfg), console=console, on_round=on_round)
+            sim = build_simulation(cfg, fed=data.get(cfg), console=console, on_round=on_round)
             summary = sim.run(resume=not overwrite, overwrite=overwrite)
     except FedhetError as err:  # RunFailed, a refused resume, a missing data set: this cell only
         return CellResult(name, run_dir, "failed", error=str(err))

@@ -354,16 +354,22 @@ def report(
     panels: Annotated[
         str | None, typer.Option("--panels", help="One plot panel per method 'family' or per 'setting'.")
     ] = None,
+    x: Annotated[
+        str,
+        typer.Option("--x", help="The plots' x axis: 'round', or 'sim/time' (simulated seconds, with [system])."),
+    ] = "round",
 ) -> None:
     """Summarise finished (or running) runs: a mean ± std table over seeds and accuracy-vs-round curves."""
     from fedhet.engine.display import print_warning
     from fedhet.paths import check_folder, check_output_file
     from fedhet.results.html import write_html
-    from fedhet.results.plots import PANELS, plot_curves
+    from fedhet.results.plots import PANELS, X_LABELS, plot_curves
     from fedhet.results.report import group_runs, load_runs, partition_note, print_table, summary_table, to_markdown
 
     if panels not in (None, *PANELS):
         raise ConfigError(f"unknown --panels {panels!r}; choose one of: {', '.join(PANELS)}")
+    if x not in X_LABELS:
+        raise ConfigError(f"unknown --x {x!r}; choose one of: {', '.join(X_LABELS)}")
     for folder in runs:
         check_folder(folder, "run folder (RUNS)", must_exist=True)
     # every output before anything is read or written: a bad --html must not leave a lone Markdown file behind
@@ -387,9 +393,9 @@ def report(
         markdown.write_text(to_markdown(rows) + (f"\n{note}\n" if note else "") + "\n")
         console.print(f"markdown: {markdown}")
     if plot:
-        console.print(f"plot: {plot_curves(groups, plot, metric=metric, smooth=smooth, panels=panels)}")
+        console.print(f"plot: {plot_curves(groups, plot, metric=metric, smooth=smooth, panels=panels, x=x)}")
     if html:
-        console.print(f"html: {write_html(groups, html, metrics=(metric,), smooth=smooth, panels=panels)}")
+        console.print(f"html: {write_html(groups, html, metrics=(metric,), smooth=smooth, panels=panels, x=x)}")
 
 
 # what `fedhet list` takes: each kind in the plural, its singular, and the config section that names it

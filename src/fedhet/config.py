@@ -1,9 +1,9 @@
 """Run configuration: TOML file + dotted overrides -> one validated, fully resolved config.
 
 Sections: ``run``, ``dataset``, ``partition``, ``model``, ``train``, ``algorithm``, ``server``, ``tracking``,
-``privacy``, ``attack``. The component sections (``dataset``, ``partition``, ``model``, ``algorithm``, ``server``)
-hold a ``name`` plus that component's own parameters, which the component's registry entry validates; resolution
-fills every default in, so a run folder's ``config.json`` shows exactly what ran.
+``privacy``, ``attack``, ``system``. The component sections (``dataset``, ``partition``, ``model``, ``algorithm``,
+``server``) hold a ``name`` plus that component's own parameters, which the component's registry entry validates;
+resolution fills every default in, so a run folder's ``config.json`` shows exactly what ran.
 """
 
 from __future__ import annotations
@@ -304,6 +304,30 @@ class ServerSection(_Component):
     geomed_eps: float = Field(1e-6, gt=0.0)  # geomed: nu, the smoothing of the distances (RFA's Algorithm 2)
     # Sun et al. 2019: every client delta scaled to norm at most this before any aggregation rule; None: off
     norm_bound: float | None = Field(None, gt=0.0)
+    # "sync": rounds in which the server waits for every sampled client; "fedbuff": FedBuff (Nguyen et al. 2022), on
+    # the simulated clock clients train from the model version they downloaded and the server steps every
+    # server.buffer_size arrivals (docs/system-heterogeneity.md); a round is then one server step
+    mode: Literal["sync", "fedbuff"] = "sync"
+    buffer_size: int = Field(10, ge=1)  # fedbuff: K, the updates per server step (the paper's K = 10)
+    # fedbuff: the clients training at once, each slot refilled by a uniform draw from the idle clients when its
+    # update arrives; None: the clients per round of train.participation / train.clients_per_round
+    concurrency: int | None = Field(None, ge=1)
+    # fedbuff: the weight of an update that is t - tau server steps stale: "polynomial" (1 + t - tau)^-a, the paper's
+    # choice with a = 0.5, or "constant" 1
+    staleness: Literal["polynomial", "constant"] = "polynomial"
+    staleness_exponent: float = Field(0.5, gt=0.0)  # fedbuff: a in the polynomial weight (the paper's 0.5)
+
+    @model_validator(mode="after")
+    def _fedbuff_options_need_fedbuff(self) -> ServerSection:
+        fields = ServerSection.model_fields
+        for key in ("buffer_size", "concurrency", "staleness", "staleness_exponent"):
+            if self.mode != "fedbuff" and getattr(self, key) != fields[key].default:
+                raise ValueError(f"server.{key} applies only with server.mode='fedbuff' (got mode {self.mode!r})")
+        if self.staleness != "polynomial" and self.staleness_exponent != fields["staleness_exponent"].default:
+            raise ValueError(
+                f"server.staleness_exponent applies only with server.staleness='polynomial' (got {self.staleness!r})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _options_need_their_rule(self) -> ServerSection:
@@ -441,6 +465,111 @@ class PrivacySection(_Strict):
         return self
 
 
+class SystemSection(_Strict):
+    """Simulated system heterogeneity (docs/system-heterogeneity.md, engine/system.py): each client's compute speed
+    and network, who is online each round, stragglers, a round deadline, dropouts and over-selection, on a simulated
+    clock (``sim/time`` in metrics.jsonl). Every draw comes from (run.seed, round, client), so a repeated run and a
+    resumed one are bit-identical. With ``profiles = "none"`` (the default) every sampled client is online, finishes
+    its work and replies, and no clock runs."""
+
+    # each client's speed and network: "none" (no system model), "constant" (every client speed and bandwidth),
+    # "uniform", "lognormal" (around speed and bandwidth, by spread), "tiers" (device tiers) or "trace" (a CSV file)
+    profiles: Literal["none", "constant", "uniform", "lognormal", "tiers", "trace"] = "none"
+    # samples a client processes per second: every client's (constant), the mean (uniform), the median (lognormal)
+    speed: float = Field(100.0, gt=0.0)
+    # bytes per second a client moves the model at, each way: every client's, the mean or the median, as speed
+    bandwidth: float = Field(1e6, gt=0.0)
+    latency: float = Field(0.0, ge=0.0)  # seconds added to every client's round trip
+    # uniform: each value uniform in [x (1 - spread), x (1 + spread)], spread < 1; lognormal: x exp(spread N(0, 1)),
+    # the standard deviation of the log
+    spread: float = Field(0.5, ge=0.0)
+    # tiers: [share, speed, bandwidth] per device tier, shares summing to 1; a seeded shuffle gives each tier its
+    # share of the clients (rounded; the last tier takes the rest)
+    tiers: list[tuple[float, float, float]] = [(0.5, 200.0, 2e6), (0.3, 50.0, 5e5), (0.2, 10.0, 1e5)]
+    # profiles = "trace": a CSV file with the header client,speed,bandwidth,availability and one row per client
+    # (availability: its probability of being online in a round, read with availability = "trace")
+    trace: str | None = None
+    # who is online in a round: "always"; "bernoulli" (each client with probability online); "daily" (each client
+    # for an online share of every simulated day, from its own seeded start); "trace" (the trace's availability)
+    availability: Literal["always", "bernoulli", "daily", "trace"] = "always"
+    online: float = Field(0.8, ge=0.0, le=1.0)  # bernoulli: probability online; daily: the online share of a day
+    day: float = Field(86400.0, gt=0.0)  # daily: simulated seconds per day
+    # FedProx's stragglers: this fraction of a round's sampled clients (rounded) does a uniformly random number of
+    # local steps in [1, its full count]
+    stragglers: float = Field(0.0, ge=0.0, le=1.0)
+    # what happens to a straggler's or a late client's work: "drop" it (FedAvg's practice in the FedProx paper) or
+    # keep the "partial" work (what fits before the deadline)
+    straggler_policy: Literal["drop", "partial"] = "drop"
+    # simulated seconds a round lasts at most: a client whose reply would arrive later is dropped, or sends the steps
+    # that fit (straggler_policy = "partial"); None: the round waits for every reply
+    deadline: float | None = Field(None, gt=0.0)
+    dropout: float = Field(0.0, ge=0.0, le=1.0)  # probability that a client fails after training, before replying
+    # sample clients per round x (1 + over_selection) (rounded up) and keep the first replies to arrive, at most
+    # clients per round (Bonawitz et al. 2019)
+    over_selection: float = Field(0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SystemSection:
+        fields = SystemSection.model_fields
+        changed = [k for k in fields if getattr(self, k) != fields[k].default]
+        if self.profiles == "none":
+            if [k for k in changed if k != "profiles"]:
+                key = next(k for k in changed if k != "profiles")
+                raise ValueError(
+                    f"system.{key} needs a system model: set system.profiles to one of constant, uniform, lognormal, "
+                    "tiers, trace"
+                )
+            return self
+        owners = {
+            "speed": ("constant", "uniform", "lognormal"),
+            "bandwidth": ("constant", "uniform", "lognormal"),
+            "spread": ("uniform", "lognormal"),
+            "tiers": ("tiers",),
+            "trace": ("trace",),
+        }
+        for key, kinds in owners.items():
+            if key in changed and self.profiles not in kinds:
+                wanted = " or ".join(repr(k) for k in kinds)
+                raise ValueError(f"system.{key} applies only with system.profiles={wanted} (got {self.profiles!r})")
+        if self.profiles == "uniform" and self.spread >= 1:
+            raise ValueError(f"system.spread must be below 1 with profiles='uniform' (got {self.spread})")
+        if self.profiles == "trace" and not self.trace:
+            raise ValueError("system.profiles='trace' needs system.trace, the CSV file of the clients' profiles")
+        if self.availability == "trace" and self.profiles != "trace":
+            raise ValueError("system.availability='trace' needs system.profiles='trace' (the trace's availability)")
+        extra = {"online": ("bernoulli", "daily"), "day": ("daily",)}
+        for key, kinds in extra.items():
+            if key in changed and self.availability not in kinds:
+                wanted = " or ".join(repr(k) for k in kinds)
+                raise ValueError(f"system.{key} applies only with system.availability={wanted}")
+        if "straggler_policy" in changed and not (self.stragglers or self.deadline):
+            raise ValueError("system.straggler_policy applies only with system.stragglers > 0 or system.deadline")
+        return self
+
+    @field_validator("tiers")
+    @classmethod
+    def _tiers(cls, value: list[tuple[float, float, float]]) -> list[tuple[float, float, float]]:
+        if not value:
+            raise ValueError("needs at least one tier [share, speed, bandwidth]")
+        for i, (share, speed, bandwidth) in enumerate(value):
+            if not (share > 0 and speed > 0 and bandwidth > 0):
+                raise ValueError(f"tier {i} [{share}, {speed}, {bandwidth}]: share, speed and bandwidth must be > 0")
+        total = sum(t[0] for t in value)
+        if abs(total - 1.0) > 1e-9:
+            raise ValueError(f"the tiers' shares must sum to 1 (they sum to {total:g})")
+        return value
+
+    @field_validator("trace")
+    @classmethod
+    def _path(cls, value: str | None) -> str | None:
+        return no_nul(value)
+
+    @property
+    def active(self) -> bool:
+        """Whether a system model runs (``profiles`` other than "none")."""
+        return self.profiles != "none"
+
+
 # path bytes kept free under a run folder for the files written in it (checkpoints/.ckpt-XXXXXXXX.tmp, ...)
 RUN_FILES_RESERVE = 64
 
@@ -457,6 +586,7 @@ class Config(_Strict):
     tracking: TrackingSection = TrackingSection()
     attack: AttackSection = AttackSection()
     privacy: PrivacySection = PrivacySection()
+    system: SystemSection = SystemSection()
 
     @model_validator(mode="before")
     @classmethod

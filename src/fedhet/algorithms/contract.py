@@ -20,6 +20,16 @@ if TYPE_CHECKING:
 
 Scalar = float | int | str | bool
 
+# The message scalar that caps a client's local steps this round (the system model's stragglers and deadline,
+# engine/system.py): the shared loop and the batched executor train min(its full count, the budget) steps.
+STEP_BUDGET = "local_steps"
+
+
+def step_budget(message: Message, full: int) -> int:
+    """The local steps a client trains: its full count, or fewer where the message carries a ``STEP_BUDGET``."""
+    budget = message.scalars.get(STEP_BUDGET)
+    return full if budget is None else min(full, int(budget))
+
 
 @dataclass
 class Message:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.func import functional_call
 
+from fedhet.algorithms.contract import step_budget
 from fedhet.algorithms.privacy import dp_sgd_gradient
 from fedhet.toolkit.flat import named_views, parameter_layout
 from fedhet.toolkit.local import (
@@ -43,7 +44,7 @@ def train_locally(algo: Any, ctx: ClientContext) -> Reply:
     ctx.scratch["optimizer"] = opt
     dp = getattr(algo.setup, "privacy", None)
     private = flat_loss(algo, ctx) if dp is not None and dp.mode == "local" else None
-    total = num_local_steps(len(ctx.data), t.batch_size, t.local_epochs, t.local_steps)
+    total = step_budget(msg, num_local_steps(len(ctx.data), t.batch_size, t.local_epochs, t.local_steps))
     losses = []  # read once after the last step: a GPU step never waits for the host
     device = ctx.flat.params.device
     for idx in batch_indices(len(ctx.data), t.batch_size, total, ctx.generator, ctx.data.x.device):

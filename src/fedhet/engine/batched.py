@@ -64,6 +64,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from fedhet.algorithms.base import Algorithm, ClientContext, Message, Reply
+from fedhet.algorithms.contract import step_budget
 from fedhet.algorithms.functional import Apply, record_aux, split_loss
 from fedhet.data.types import ClientData
 from fedhet.engine.checkpoint import StateFileError
@@ -221,8 +222,9 @@ class BatchedExecutor:
         if not self.last_phase_batched:
             return self.sequential.run_phase(rnd, phase_idx, phase, msgs)
         t = self.runner.train
-        steps = {
-            cid: num_local_steps(len(self.clients[cid]), t.batch_size, t.local_epochs, t.local_steps) for cid in msgs
+        steps = {  # the system model's step budget, where a message carries one, caps a client's count
+            cid: step_budget(msg, num_local_steps(len(self.clients[cid]), t.batch_size, t.local_epochs, t.local_steps))
+            for cid, msg in msgs.items()
         }
         # Rows by decreasing step count, so the clients still training at any step are a prefix of the rows.
         ordered = sorted(msgs, key=lambda cid: (-steps[cid], cid))

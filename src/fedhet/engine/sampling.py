@@ -37,20 +37,24 @@ class ClientSampler:
         if self.cfg.train.sampling == "dynamic":
             self.log = MetricsLog(run_dir / "sampling.jsonl")
 
-    def sample(self, rnd: int) -> list[int]:
-        n, k = self.fed.num_clients, self.cfg.clients_per_round()
+    def sample(self, rnd: int, pool: list[int] | None = None, k: int | None = None) -> list[int]:
+        """``k`` (default: clients per round) of the clients in ``pool`` (default: all; the system model passes the
+        online ones), sorted. With every client in the pool, the draw is the same as without one."""
+        pool = list(range(self.fed.num_clients)) if pool is None else pool
+        n, k = len(pool), self.cfg.clients_per_round() if k is None else k
         if k >= n:
-            return list(range(n))
+            return list(pool)
         rng = np.random.default_rng(derive_seed(self.cfg.run.seed, rnd, 0x5A))
         if self.cfg.train.sampling == "dynamic":
-            return self.dynamic_sample(rnd, k, rng)
-        return sorted(int(c) for c in rng.choice(n, size=k, replace=False))
+            return self.dynamic_sample(rnd, k, rng, pool)
+        return sorted(pool[int(i)] for i in rng.choice(n, size=k, replace=False))
 
-    def dynamic_sample(self, rnd: int, k: int, rng: np.random.Generator) -> list[int]:
-        """FedUFO's dynamic sampling: the ``train.sampling_worst`` share of the ``k`` clients with the lowest
-        performance (ties in a random order), the rest uniformly from the others. The generator is the round's, as
-        in uniform sampling, so the draw depends only on (seed, round, performance); logged to sampling.jsonl."""
-        acc = np.asarray(self.client_performance(rnd))
+    def dynamic_sample(self, rnd: int, k: int, rng: np.random.Generator, pool: list[int]) -> list[int]:
+        """FedUFO's dynamic sampling: the ``train.sampling_worst`` share of the ``k`` clients of ``pool`` with the
+        lowest performance (ties in a random order), the rest uniformly from the others. The generator is the
+        round's, as in uniform sampling, so the draw depends only on (seed, round, pool, performance); logged to
+        sampling.jsonl."""
+        acc = np.asarray(self.client_performance(rnd))[pool]
         n = len(acc)
         n_worst = math.floor(k * self.cfg.train.sampling_worst)
         worst = np.lexsort((rng.random(n), acc))[:n_worst]  # ascending performance; the random key breaks ties
@@ -61,13 +65,13 @@ class ClientSampler:
                 {
                     "round": rnd,
                     "measured_round": self.performance_round,
-                    "worst": [int(c) for c in worst],
+                    "worst": [pool[c] for c in worst],
                     "worst_acc": [float(acc[c]) for c in worst],
-                    "random": sorted(int(c) for c in drawn),
+                    "random": sorted(pool[c] for c in drawn),
                     "acc_mean": float(acc.mean()),
                 }
             )
-        return sorted(int(c) for c in np.concatenate([worst, drawn]))
+        return sorted(pool[int(c)] for c in np.concatenate([worst, drawn]))
 
     def client_performance(self, rnd: int) -> list[float]:
         """Every client's accuracy of the current global model (train.sampling_measure), re-measured at the start of

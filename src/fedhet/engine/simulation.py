@@ -29,6 +29,7 @@ from fedhet.engine.rundir import environment, usable_cores
 from fedhet.engine.runfolder import DISK_FULL, RunFolder, rounding_changes
 from fedhet.engine.sampling import ClientSampler
 from fedhet.engine.state import build_state_store
+from fedhet.engine.system import RoundPlan, SystemModel, build_system
 from fedhet.engine.training import (  # noqa: F401  (the names below were this module's before the split)
     RESUMABLE_CHANGES,
     algorithm_config,
@@ -79,6 +80,9 @@ class Simulation:
         self.client_threads = 1 if self.workers > 1 else torch.get_num_threads()
         self.seen: set[int] = set()  # clients that have completed at least one round
         self.sampler = ClientSampler(cfg, self.fed, self.model, self.flat, self.algo)
+        # [system]: who is online, how much each client trains, the simulated clock (engine/system.py)
+        self.system: SystemModel | None = build_system(cfg, self.fed, self.flat, len(self.algo.phases))
+        self.plan: RoundPlan | None = None  # the system model's plan of the last round trained
         self.folder = RunFolder(self.run_dir, cfg, self.resolved, self.warn, dict(FLAGS))
         self.evaluator = Evaluator(
             cfg,
@@ -156,10 +160,12 @@ class Simulation:
 
     def train_round(self, rnd: int) -> RoundResult:
         """Every phase of round ``rnd``; raises ``RunFailed`` when the run cannot go on."""
-        cids = self.sampler.sample(rnd)
+        self.plan = self.system.plan(rnd, self.sampler.sample) if self.system is not None else None
+        cids = self.plan.participants if self.plan is not None else self.sampler.sample(rnd)
+        budgets = self.plan.budgets() if self.plan is not None else {}
         empty: list[str] = []  # the phases that lost every client
         for phase_idx, phase in enumerate(self.algo.phases):
-            result = self.run_phase(rnd, phase_idx, phase, cids)
+            result = self.run_phase(rnd, phase_idx, phase, cids, budgets)
             for failure in result.failures:
                 self.folder.failures_log.append(failure)
             if result.failures:
@@ -170,11 +176,19 @@ class Simulation:
             if bad:
                 raise RunFailed(f"round {rnd} ({phase}): the global model became non-finite ({', '.join(bad)})")
         self.health.record_round(rnd, empty, self.run_dir / "failures.jsonl")
+        if self.system is not None and self.plan is not None:
+            self.system.finish(self.plan)
         return result
 
-    def run_phase(self, rnd: int, phase_idx: int, phase: str, cids: list[int]) -> RoundResult:
-        msgs = self.algo.configure(rnd, cids, phase)
-        replies, failures = self.executor.run_phase(rnd, phase_idx, phase, msgs)
+    def run_phase(
+        self, rnd: int, phase_idx: int, phase: str, cids: list[int], budgets: dict[int, int] | None = None
+    ) -> RoundResult:
+        """One phase: the messages (with each budgeted client's step budget), the clients, the aggregation."""
+        if cids:
+            msgs = SystemModel.limit(self.algo.configure(rnd, cids, phase), budgets or {})
+            replies, failures = self.executor.run_phase(rnd, phase_idx, phase, msgs)
+        else:  # the system model left no client in this round
+            replies, failures = {}, []
         replies = dict(sorted(replies.items()))  # aggregation order is fixed, whatever order clients ran in
         self.evaluator.observe(phase, replies)  # takes the local models out before the algorithm aggregates
         if replies:
@@ -186,7 +200,10 @@ class Simulation:
         return RoundResult(replies, failures)
 
     def evaluate(self, rnd: int, result: RoundResult) -> dict[str, Any]:
-        return self.evaluator.evaluate(rnd, result, self.wall())
+        record = self.evaluator.evaluate(rnd, result, self.wall())
+        if self.plan is not None:  # the simulated clock and what the system model did to this round
+            record.update(self.plan.metrics())
+        return record
 
     def wall(self) -> float:
         """Seconds this run has trained, over its first start and every resume (a resumed run continues the clock)."""
@@ -246,6 +263,8 @@ class Simulation:
         self.evaluator.ema = state["ema"]
         self.health.load_state_dict(state)
         self.sampler.load_state_dict(state)
+        if self.system is not None:
+            self.system.load_state_dict(state)
         self._wall_before = state["wall_s"]
         self._saved_clients, self._rotate = state["executor"], loaded.path.name == LAST
         self._saved_round = state["round"]
@@ -263,6 +282,7 @@ class Simulation:
             **self.health.state_dict(),
             "metrics_log": self.folder.metrics_text,
             **self.sampler.state_dict(),
+            **(self.system.state_dict() if self.system is not None else {}),
             "wall_s": wall,
             "torch_threads": self.client_threads,
             "executor_kind": self.executor_kind,

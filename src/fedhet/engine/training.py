@@ -22,6 +22,7 @@ from fedhet.config import RESUMABLE_CHANGES, Config
 from fedhet.data.augment import build_augment
 from fedhet.data.federated import FederatedDataset, federate
 from fedhet.engine.attack import Attack
+from fedhet.engine.buffered import check_fedbuff
 from fedhet.engine.client import ClientRunner
 from fedhet.errors import ConfigError
 from fedhet.toolkit.flat import FlatModel
@@ -44,7 +45,9 @@ def resolve_config(cfg: Config) -> dict[str, Any]:
         out[section] = {**fixed, "name": entry.name, **params}
     check_aggregation(cfg)
     check_privacy(cfg)
+    check_system(cfg)
     check_optimizer(cfg)
+    check_fedbuff(cfg)
     if cfg.attack.kind != "none" and ALGORITHMS.get(cfg.algorithm.name).obj.pools_clients:
         raise ConfigError(
             f"attack.kind={cfg.attack.kind!r} makes some clients malicious, and {cfg.algorithm.name} trains one client "
@@ -84,6 +87,30 @@ def check_optimizer(cfg: Config) -> None:
     problem = algo_cls.optimizer_refusal(algo_cfg, cfg.train)
     if problem:
         raise ConfigError(f"train.optimizer={cfg.train.optimizer!r}: {problem}")
+
+
+def check_system(cfg: Config) -> None:
+    """[system] where the system model means something: a federation of clients, and a central DP accountant whose
+    sampling assumption (m of the N clients uniformly each round) still holds. Stragglers, the deadline and dropouts
+    only remove replies, which DP-FedAvg's fixed denominator m already allows for (docs/system-heterogeneity.md)."""
+    system = cfg.system
+    if not system.active:
+        return
+    algo = ALGORITHMS.get(cfg.algorithm.name).obj
+    if algo.pools_clients:
+        raise ConfigError(
+            f"system.profiles={system.profiles!r} models the federation's clients, and {algo.name} trains one client "
+            "holding every client's data; use system.profiles='none'"
+        )
+    if cfg.privacy.mode == "central":
+        changed = "system.over_selection" if system.over_selection else None
+        if system.availability != "always":
+            changed = f"system.availability={system.availability!r}"
+        if changed:
+            raise ConfigError(
+                f"privacy.mode='central' is accounted for m of the N clients drawn uniformly each round, and {changed} "
+                "draws them otherwise; use system.availability='always' and system.over_selection=0"
+            )
 
 
 def check_privacy(cfg: Config) -> None:

@@ -117,11 +117,26 @@ def secure_aggregation(cfg: Config, options: RunOptions, nodes: Nodes, fed) -> S
         raise ConfigError(f"secure-aggregation={SECAGG!r}: {err}") from None
 
 
+def check_synchronous(cfg: Config) -> None:
+    """The Flower server runs synchronous rounds: ``server.mode = "fedbuff"`` is refused in one line."""
+    if cfg.server.mode != "sync":
+        raise ConfigError(
+            f"server.mode={cfg.server.mode!r} runs on the simulated clock of `fedhet run` and `fedhet compare`; "
+            "the Flower server's rounds are synchronous (use server.mode='sync')"
+        )
+
+
 def run_server(grid: Grid, cfg: Config, options: RunOptions, console: Console | None = None) -> dict[str, Any]:
     """Find the nodes, then run the engine's round loop over them; returns the run's summary."""
     from fedhet.engine.simulation import Simulation, resolve_config
 
     resolve_config(cfg)  # a wrong name or value fails here, before waiting for any node
+    check_synchronous(cfg)
+    if cfg.system.active:  # simulated devices over real ones would mix two clocks and two kinds of failure
+        raise ConfigError(
+            f"system.profiles={cfg.system.profiles!r} simulates devices in fedhet run; a Flower deployment has real "
+            "ones, whose failures go to failures.jsonl (docs/system-heterogeneity.md): use system.profiles='none'"
+        )
     if options.secure_aggregation is not None:
         why = refusal(cfg, options.secure_aggregation)
         if why:  # before waiting for any node

@@ -78,8 +78,10 @@ def pyproject(name: str, cfg: Config) -> dict[str, Any]:
 def write_app(cfg: Config, out_dir: str | Path, name: str | None = None, force: bool = False) -> Path:
     """Write the app folder for ``cfg`` into ``out_dir``; returns the folder."""
     from fedhet.engine.training import resolve_config
+    from fedhet.flower.app import check_synchronous
 
     resolve_config(cfg)  # fail now on a wrong name or value, not on the SuperLink
+    check_synchronous(cfg)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not force:
         raise ConfigError(f"{str(out)!r} is not empty; pass --force to overwrite its app files")

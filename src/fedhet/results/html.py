@@ -53,10 +53,11 @@ def write_html(
     smooth: bool = False,
     panels: str | None = None,
     every_metric: bool = True,
+    x: str = "round",
 ) -> Path:
     """The report page for `groups`: the shared setting and what tells the rows apart; for each metric (`metrics`,
     then with ``every_metric`` each other metric of METRIC_LABELS that some run recorded) a mean ± std table and
-    its curves; then each run's config."""
+    its curves (against ``x``: "round" or "sim/time"); then each run's config."""
     from fedhet.paths import check_output_file
 
     check_output_file(path, "HTML report")  # before the work: a folder, FIFO or dangling link there is refused
@@ -76,7 +77,7 @@ def write_html(
         sections.append(html_table(groups, metric, swatches) if i == 0 else metric_table(groups, metric, swatches))
         if note:
             sections.append(f"<p class='note'>{escape(note)}</p>")
-        sections.append(curves_image(groups, metric, smooth, panels))
+        sections.append(curves_image(groups, metric, smooth, panels, x))
     sections.append("<h2 id='runs'>runs</h2>")
     sections += [run_details(group) for group in groups]
     page = (
@@ -171,15 +172,16 @@ def json_value(value: object) -> str:
     return json.dumps(value, sort_keys=True, default=str)
 
 
-def curves_image(groups: list[Group], metric: str, smooth: bool, panels: str | None) -> str:
-    """The curves as an embedded PNG, or a note when no run recorded the metric."""
-    if not any(run.values(metric) for group in groups for run in group.runs):
-        return f"<p class='note'>no run recorded {escape(metric)}: no curves</p>"
-    fig = curves_figure(groups, metric, smooth=smooth, panels=panels)
+def curves_image(groups: list[Group], metric: str, smooth: bool, panels: str | None, x: str = "round") -> str:
+    """The curves as an embedded PNG, or a note when no run recorded the metric (with ``x``)."""
+    wanted = [metric] if x == "round" else [metric, x]
+    if not any(all(run.values(m) for m in wanted) for group in groups for run in group.runs):
+        return f"<p class='note'>no run recorded {escape(' and '.join(wanted))}: no curves</p>"
+    fig = curves_figure(groups, metric, smooth=smooth, panels=panels, x=x)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
     data = base64.b64encode(buffer.getvalue()).decode("ascii")
-    return f"<img alt='{escape(metric)} vs round' src='data:image/png;base64,{data}'>"
+    return f"<img alt='{escape(metric)} vs {escape(x)}' src='data:image/png;base64,{data}'>"
 
 
 def run_details(group: Group) -> str:

@@ -58,6 +58,7 @@ LINE_STYLES = ("-", "--", ":", "-.")
 # `--panels family`: which family each algorithm is drawn with (report.FAMILIES); unknown names (plug-ins) go to
 # "other". `--panels setting`: the config sections that describe the setting (report.SETTING_SECTIONS).
 PANELS = ("family", "setting")
+X_LABELS = {"round": "round", "sim/time": "simulated time (s)"}  # the x axes `fedhet report --x` names
 # Several settings of one method in one axes (a grid without --panels setting) share the method's colour and line
 # style and differ by marker.
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
@@ -71,9 +72,10 @@ def plot_curves(
     title: str | None = None,
     smooth: bool = False,
     panels: str | None = None,
+    x: str = "round",
 ) -> Path:
-    """`metric` vs round, one line per group (mean over seeds, ±1 std band); see `curves_figure`."""
-    return save(curves_figure(groups, metric, title, smooth, panels), path)
+    """`metric` vs round (or ``x``), one line per group (mean over seeds, ±1 std band); see `curves_figure`."""
+    return save(curves_figure(groups, metric, title, smooth, panels, x), path)
 
 
 def curves_figure(
@@ -82,8 +84,10 @@ def curves_figure(
     title: str | None = None,
     smooth: bool = False,
     panels: str | None = None,
+    x: str = "round",
 ) -> Figure:
-    """`metric` vs round: one line per group, the mean over seeds with a shaded ±1 std band.
+    """`metric` vs round (or the recorded metric ``x``, e.g. ``sim/time``): one line per group, the mean over seeds
+    with a shaded ±1 std band.
 
     Each method keeps one line style whatever the panels, and its colour wherever it has one row per axes
     (``row_styles``, which the HTML page's swatches follow); rows of one method that share an axes (the settings of
@@ -91,7 +95,8 @@ def curves_figure(
     and dashes, so overlapping bands stay apart. The legend, outside the axes so 20 groups hide no curve, lists the
     groups in the table's order. ``smooth`` plots the EMA the run recorded (``test_acc_ema``), or for another metric
     the same EMA (factor ``run.ema``) computed here. ``panels``: one panel per method family or per setting (the
-    dataset, partition, model and training values that differ between groups)."""
+    dataset, partition, model and training values that differ between groups). With ``x`` other than "round",
+    each round's point sits at the seeds' mean of that metric (``sim/time``: the simulated seconds)."""
     if panels not in (None, *PANELS):
         raise FedhetError(f"unknown panels {panels!r}; choose one of: {', '.join(PANELS)}")
     methods, _ = method_and_setting(groups)
@@ -108,7 +113,7 @@ def curves_figure(
     band_alpha = min(0.15, 0.25 / max(1, len(groups) / len(order)) ** 0.5)
     for i, group in enumerate(groups):
         method, panel = methods[i], panel_of[i]
-        rounds, mean, std = seed_curve(group.runs, metric, smooth)
+        rounds, mean, std = seed_curve(group.runs, metric, smooth, x)
         if len(rounds) == 0:
             continue
         ax = axes[order.index(panel)]
@@ -130,16 +135,18 @@ def curves_figure(
         else:
             drawn.setdefault(group.label, (line, f"{group.label} (n={len(group.runs)})"))
     if not drawn:
-        raise FedhetError(f"no run recorded {metric!r}; nothing to plot")
+        also = f" together with {x!r}" if x != "round" else ""
+        raise FedhetError(f"no run recorded {metric!r}{also}; nothing to plot")
     label = METRIC_LABELS.get(metric, metric) + (" (smoothed)" if smooth and "ema" not in metric else "")
     for ax, panel in zip(axes, order, strict=True):
-        ax.set_xlabel("round")
+        ax.set_xlabel(X_LABELS.get(x, x))
         ax.set_ylabel(f"{label} (%)" if scale == 100.0 else label)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if x == "round":
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3)
         if panels:
             ax.set_title(panel, fontsize="medium")
-    fig.suptitle(title or f"{label} vs round")
+    fig.suptitle(title or f"{label} vs {X_LABELS.get(x, x)}")
     handles, names = zip(*drawn.values(), strict=True)
     fig.legend(handles, names, loc="upper left", bbox_to_anchor=(1.0, 0.95), fontsize="small", frameon=False)
     return fig
@@ -228,17 +235,26 @@ def panel_axes(n: int) -> tuple[Figure, list[Any]]:
     return fig, axes[:n]
 
 
-def seed_curve(runs: list[Run], metric: str, smooth: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rounds, mean and std over the seeds that recorded `metric` at each round (std 0 with one seed)."""
+def seed_curve(
+    runs: list[Run], metric: str, smooth: bool = False, x: str = "round"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rounds (or, for ``x`` other than "round", the seeds' mean of that metric at each round), mean and std over
+    the seeds that recorded `metric` (and ``x``) at each round (std 0 with one seed)."""
     by_round: dict[int, list[float]] = defaultdict(list)
+    at: dict[int, list[float]] = defaultdict(list)  # x's value of each of those seeds
     for run in runs:
+        xs = dict(run.values(x)) if x != "round" else {}
         for rnd, value in smoothed(run, metric) if smooth else run.values(metric):
+            if x != "round" and rnd not in xs:
+                continue
             by_round[rnd].append(value)
-    rounds = np.array(sorted(by_round))
+            at[rnd].append(xs.get(rnd, rnd))
+    rounds = sorted(by_round)
     values = [np.array(by_round[r], dtype=float) for r in rounds]
     mean = np.array([v.mean() for v in values])
     std = np.array([v.std(ddof=1) if len(v) > 1 else 0.0 for v in values])
-    return rounds, mean, std
+    where = np.array(rounds) if x == "round" else np.array([np.mean(at[r]) for r in rounds])
+    return where, mean, std
 
 
 def smoothed(run: Run, metric: str) -> list[tuple[int, float]]:
