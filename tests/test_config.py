@@ -306,7 +306,7 @@ def test_nesterov_needs_momentum():
             ["server.foo=1"],
             "unknown key 'server.foo' for server optimiser 'sgd'; valid keys in [server]: name, aggregation, "
             "gne_solver, gne_normalize, gne_jitter, trim_fraction, byzantine, multikrum_m, geomed_iters, geomed_eps, "
-            "norm_bound, lr",
+            "norm_bound, mode, buffer_size, concurrency, staleness, staleness_exponent, lr",
         ),
         (["dataset.name=tinyimagenet", "dataset.foo=1"], "unknown key 'dataset.foo' for dataset 'tinyimagenet'"),
     ],
