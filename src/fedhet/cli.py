@@ -474,7 +474,10 @@ def list_cmd(
             params = ""
             if e.params is not None:
                 fields = e.params.model_fields.items()
-                params = ", ".join(f"{k}={f.get_default(call_default_factory=True)!r}" for k, f in fields)
+                params = ", ".join(
+                    f"{k} (required)" if f.is_required() else f"{k}={f.get_default(call_default_factory=True)!r}"
+                    for k, f in fields
+                )
             table.add_row(e.name, e.summary, params, *([_fit_text(kind, e.name)] if extra else []))
         console.print(table)
 
