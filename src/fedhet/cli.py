@@ -488,6 +488,8 @@ def _fit_text(kind: str, name: str) -> str:
 
     if kind == "models":
         return ", ".join(fit.fits(name)) or "(none built in)"
+    if name in fit.BY_TASK:
+        return ", ".join(f"{model} (dataset.task={task})" for task, model in fit.BY_TASK[name].items())
     if fit.dataset_input(name) is None:
         return f"{fit.DEFAULT_MODEL} (input not known before loading)"
     return fit.default_model(name)

@@ -18,6 +18,7 @@ takes a Python function; ``linear``, ``square`` and ``exponential`` are its name
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import warnings
 from collections.abc import Callable
@@ -43,6 +44,13 @@ class FlwrParams(NoParams):
     # flwr-datasets' FederatedDataset(shuffle=True) does (its default); the size-based partitioners (iid, linear,
     # square, exponential, size) then cut random samples, not the dataset's own order
     shuffle: bool = True
+
+    @model_validator(mode="after")
+    def _installed(self) -> FlwrParams:
+        # refused with the config, before any data is loaded (find_spec imports nothing)
+        if importlib.util.find_spec("flwr_datasets") is None or importlib.util.find_spec("datasets") is None:
+            raise ValueError(f"the partitioners flwr.* need Flower Datasets (flwr-datasets): {INSTALL}")
+        return self
 
 
 class DirichletParams(FlwrParams):
