@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from pydantic import Field, PositiveFloat, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from fedhet import registry
 from fedhet.data.datasets import NoParams
@@ -53,18 +53,29 @@ class FlwrParams(NoParams):
         return self
 
 
+def positive(alpha: float | list[float]) -> float | list[float]:
+    values = alpha if isinstance(alpha, list) else [alpha]
+    if not values or min(values) <= 0:
+        raise ValueError("must be greater than 0")
+    return alpha
+
+
 class DirichletParams(FlwrParams):
     # concentration of Dir(alpha) over the clients, per class: one number, or one per client (flwr's list form)
-    alpha: PositiveFloat | list[PositiveFloat] = 0.5
+    alpha: float | list[float] = 0.5
     min_partition_size: int = Field(10, ge=0)  # redraw (at most 10 times) until every client has this many
     self_balancing: bool = False  # a client above the mean size takes no more samples (flwr-datasets' option)
+
+    _alpha = field_validator("alpha")(positive)
 
 
 class InnerDirichletParams(FlwrParams):
     # concentration of each client's class prior Dir(alpha): one number, or one per class
-    alpha: PositiveFloat | list[PositiveFloat] = 0.5
+    alpha: float | list[float] = 0.5
     # each client's size (one per client, summing to at most the samples); None: equal sizes (+-1) using every sample
     partition_sizes: list[int] | None = None
+
+    _alpha = field_validator("alpha")(positive)
 
     @model_validator(mode="after")
     def _sizes(self) -> InnerDirichletParams:
@@ -200,6 +211,19 @@ def _pathological(p: PathologicalParams, n, seed, labels, groups) -> dict:
 
 
 def _distribution(p: DistributionParams, n, seed, labels, groups) -> dict:
+    classes, k = len(np.unique(labels)), p.num_unique_labels_per_partition
+    if n % classes:
+        raise ConfigError(
+            f"partitioner 'flwr.distribution': partition.num_clients={n} must be a multiple of the {classes} classes"
+        )
+    shape = (classes, k * n // classes)
+    got = (len(p.distribution_array), len(p.distribution_array[0]))
+    if got != shape:
+        raise ConfigError(
+            f"partitioner 'flwr.distribution': distribution_array must be {shape[0]} x {shape[1]} (one row per class, "
+            f"num_unique_labels_per_partition x num_clients / classes = {k} x {n} / {classes} columns), not "
+            f"{got[0]} x {got[1]}"
+        )
     extra = {
         "distribution_array": np.asarray(p.distribution_array, float),
         "num_unique_labels_per_partition": p.num_unique_labels_per_partition,
