@@ -60,7 +60,7 @@ class HFParams(NoParams):
     path: str = Field(min_length=1)
     subset: str | None = None  # the hub dataset's configuration (datasets' name=)
     revision: str | None = None  # the hub dataset's branch, tag or commit
-    train_split: str = "train"
+    train_split: str = "train"  # the split the clients train on (the dataset's own name for it)
     # "auto": the split called "test" where there is one, else test_fraction of the training split; a split's
     # name; none: always test_fraction of the training split
     test_split: str | None = "auto"
