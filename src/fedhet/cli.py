@@ -486,7 +486,10 @@ def list_cmd(
             params = ""
             if e.params is not None:
                 fields = e.params.model_fields.items()
-                params = ", ".join(f"{k}={f.get_default(call_default_factory=True)!r}" for k, f in fields)
+                params = ", ".join(
+                    f"{k} (required)" if f.is_required() else f"{k}={f.get_default(call_default_factory=True)!r}"
+                    for k, f in fields
+                )
             table.add_row(e.name, e.summary, params, *([_fit_text(kind, e.name)] if extra else []))
         console.print(table)
 
@@ -497,6 +500,8 @@ def _fit_text(kind: str, name: str) -> str:
 
     if kind == "models":
         return ", ".join(fit.fits(name)) or "(none built in)"
+    if name in fit.BY_TASK:
+        return ", ".join(f"{model} (dataset.task={task})" for task, model in fit.BY_TASK[name].items())
     if fit.dataset_input(name) is None:
         return f"{fit.DEFAULT_MODEL} (input not known before loading)"
     return fit.default_model(name)

@@ -600,12 +600,13 @@ class Config(_Strict):
             return data  # refused with the dataset section's own message
         from fedhet.models.fit import default_model
 
+        params = dataset if isinstance(dataset, dict) else dataset.params() if isinstance(dataset, _Component) else {}
         if model is None:
-            return {**data, "model": {"name": default_model(name)}}
+            return {**data, "model": {"name": default_model(name, params)}}
         if isinstance(model, dict) and "name" not in model:
-            return {**data, "model": {"name": default_model(name), **model}}
+            return {**data, "model": {"name": default_model(name, params), **model}}
         if isinstance(model, ModelSection) and "name" not in model.model_fields_set:
-            return {**data, "model": {"name": default_model(name), **model.params()}}
+            return {**data, "model": {"name": default_model(name, params), **model.params()}}
         return data
 
     @model_validator(mode="after")

@@ -79,7 +79,7 @@ def _resolved_and_defaults(cfg: Config, model_default: str | None = None) -> tup
     cannot be resolved (its plug-in not loaded yet, a wrong name: make_config words that), the config as given.
     ``model.name``'s default is the model that fits the dataset (models/fit.py), or ``model_default``."""
     defaults = _flatten(Config.model_construct().to_dict())
-    defaults["model.name"] = model_default or default_model(cfg.dataset.name)
+    defaults["model.name"] = model_default or default_model(cfg.dataset.name, cfg.dataset.params())
     raw = cfg.to_dict()
     try:
         plugins.load(cfg.run.plugins)

@@ -4,6 +4,8 @@ Every partitioner is ``fn(labels, num_clients, rng, *, groups=None, **params) ->
 sorted int64 index array per client. The arrays are disjoint and together cover every sample exactly once, except
 for ``natural`` with fewer clients than groups, which by definition drops the samples of the groups not chosen.
 Partitioners split whatever labels they are given; a local train/test split of each client happens afterwards.
+Flower Datasets' partitioners are registered here too, as ``flwr.<name>`` (``data/flwr_partition.py``); they take
+the partition seed itself (``takes_seed``), since flwr-datasets seeds its own generators.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from fedhet import registry
+from fedhet.data import flwr_partition
 from fedhet.data.datasets import NoParams
 from fedhet.data.types import DataError
 from fedhet.errors import ConfigError
@@ -69,6 +72,8 @@ def partition(name: str, labels, num_clients: int, seed: int, groups=None, **par
         groups = np.asarray(groups)
         if groups.shape != labels.shape:
             raise DataError(f"groups of shape {groups.shape} do not match labels of shape {labels.shape}")
+    if getattr(entry.obj, "takes_seed", False):
+        params = {**params, "seed": seed}
     return entry.obj(labels, num_clients, np.random.default_rng(seed), groups=groups, **params)
 
 
@@ -408,3 +413,9 @@ def natural(labels, num_clients, rng, *, groups=None, **params) -> list[np.ndarr
     pos = np.clip(np.searchsorted(names, groups), 0, len(names) - 1)
     owner = np.where(names[pos] == groups, pos, -1)
     return parts_from_owner(owner, num_clients)
+
+
+for _scheme in flwr_partition.SCHEMES:
+    PARTITIONERS.register(flwr_partition.PREFIX + _scheme.name, _scheme.summary, _scheme.params)(
+        flwr_partition.partitioner(_scheme)
+    )

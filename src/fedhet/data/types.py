@@ -139,6 +139,7 @@ class ArrayDataset:
             "sha256": self.content_hash,
             "sha256_of": "files" if self.source_files else "arrays",
             **({"train_fraction": self.extra["train_fraction"]} if "train_fraction" in self.extra else {}),
+            **self.extra.get("provenance", {}),  # a loader's own facts: which split was the test set, a cache file
         }
 
 

@@ -22,6 +22,9 @@ from fedhet.errors import ConfigError
 DEFAULT_MODEL = "cnn"
 # datasets whose inputs the CNN cannot take: the model that fits them
 DATASET_MODELS = {"digits": "mlp", "synthetic": "mlp", "shakespeare": "lstm", "leaf_sent140": "logreg"}
+# datasets whose kind of input is a parameter, ``task``: the model that fits each kind (Hugging Face datasets; "auto"
+# finds the kind only when the data are loaded, so it keeps the historical default)
+BY_TASK = {"hf": {"image": "cnn", "text": "lstm", "tabular": "mlp"}}
 # models that read sequences of integer indices (an embedding first), and only those
 SEQUENCE_MODELS = frozenset({"lstm"})
 
@@ -44,15 +47,22 @@ _SIZED = {
 }
 
 
-def default_model(dataset: str) -> str:
-    """``model.name`` for a config that names none: one that fits ``dataset``'s input."""
-    return DATASET_MODELS.get(str(dataset).lower(), DEFAULT_MODEL)
+def default_model(dataset: str, params: dict[str, Any] | None = None) -> str:
+    """``model.name`` for a config that names none: one that fits ``dataset``'s input (with ``params``, the
+    dataset's parameters, where they say what the input is)."""
+    name = str(dataset).lower()
+    if name in BY_TASK:
+        return BY_TASK[name].get(str((params or {}).get("task", "auto")), DEFAULT_MODEL)
+    return DATASET_MODELS.get(name, DEFAULT_MODEL)
 
 
 def dataset_input(dataset: str, params: dict[str, Any] | None = None) -> tuple[str, tuple[int, ...]] | None:
     """(task, input shape) of a built-in dataset with these parameters ("image", "tabular" or "sequence", as its
     ``ArrayDataset.task``), or None for one fedhet does not know (a plug-in's)."""
     name, params = str(dataset).lower(), params or {}
+    if name in BY_TASK and params.get("task") == "text":
+        size = params.get("seq_len", 80)
+        return ("sequence", (size,)) if isinstance(size, int) and not isinstance(size, bool) and size >= 1 else None
     if name in _IMAGES:
         return "image", _IMAGES[name]
     task, key, default = _SIZED.get(name, (None, None, None))
@@ -123,7 +133,7 @@ def misfit(model: str, model_params: dict[str, Any], dataset: str, dataset_param
         MODELS.parse(model, model_params)
     except ConfigError:
         return None  # a bad parameter: the model's own check words it
-    problem = why_not(model, task, shape, model_params)
+    problem = why_not(model, task, shape, model_params) or vocabulary_problem(model, model_params, dataset_params)
     if problem is None:
         return None
     good = fitting_models(task, shape)
@@ -134,5 +144,19 @@ def misfit(model: str, model_params: dict[str, Any], dataset: str, dataset_param
     return (
         f"model {name!r} cannot take the inputs of dataset {dataset!r} ({task}, shape {shape}): {problem}; "
         f"models that fit {dataset}: {', '.join(good) or 'none'} (fedhet list models; without model.name it gets "
-        f"{default_model(dataset)!r})"
+        f"{default_model(dataset, dataset_params)!r})"
     )
+
+
+def vocabulary_problem(model: str, model_params: dict[str, Any], dataset_params: dict[str, Any]) -> str | None:
+    """Why a sequence model's embedding cannot take the token ids of a dataset with a ``vocab_size``; else None."""
+    from fedhet.models import MODELS
+
+    vocab = dataset_params.get("vocab_size", 80)
+    params = MODELS.get(model).params
+    if params is None or "vocab_size" not in params.model_fields or not isinstance(vocab, int):
+        return None
+    embedding = model_params.get("vocab_size", params.model_fields["vocab_size"].default)
+    if embedding >= vocab:
+        return None
+    return f"its embedding takes {embedding} token ids, the dataset {vocab}: set model.vocab_size={vocab}"

@@ -5,7 +5,8 @@ of the training split so the tensor layer can normalise.
 
 One module per format family, each registering its loaders in ``DATASETS`` when imported: ``idx`` (MNIST,
 Fashion-MNIST, EMNIST), ``cifar``, ``tinyimagenet``, ``generated`` (scikit-learn digits, Synthetic),
-``shakespeare`` and ``leaf`` (LEAF's JSON files: FEMNIST, CelebA, Sent140); ``base`` holds the registry, the shared
+``shakespeare``, ``leaf`` (LEAF's JSON files: FEMNIST, CelebA, Sent140) and ``huggingface`` (Hugging Face datasets, a
+hub id or a local copy); ``base`` holds the registry, the shared
 parameters and the image helpers, ``files`` finding, downloading and reading the files (where fedhet looks for
 them is described there).
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 # Importing the format modules registers their loaders, in the order of the single module this package was
 # (kept out of isort's alphabetical order on purpose).
 # isort: off
-from fedhet.data.datasets import idx, cifar, tinyimagenet, generated, shakespeare, leaf  # noqa: F401
+from fedhet.data.datasets import idx, cifar, tinyimagenet, generated, shakespeare, leaf, huggingface  # noqa: F401
 
 # isort: on
 from fedhet.data.datasets.base import DATASETS, NoParams
