@@ -266,6 +266,28 @@ def test_an_image_run_with_a_client_per_writer_learns(saved_images, tmp_path):
     assert [len(c.y) for c in fed.clients] == [15] * 6
 
 
+def test_a_domain_column_gives_natural_domains_scored_per_domain(saved_images, tmp_path):
+    # each writer is a domain here (a hospital, a camera): one client per writer, the test set scored per writer
+    dataset = {"id_column": "writer", "domain_column": "writer"}
+    raw = hf_run(tmp_path, saved_images, dataset=dataset, partition={"name": "natural", "num_clients": 6})
+    raw["features"] = {"name": "natural"}
+    result = fedhet.run({**raw, "model": {"name": "mlp", "hidden": [32]}})
+    ds = load(saved_images, tmp_path, domain_column="writer")
+    assert ds.domain_names == [f"w{i}" for i in range(6)]
+    assert np.array_equal(ds.domains_train, np.arange(90) % 6) and ds.groups_train is None
+    per_domain = {k: result.final[k] for k in (f"test_acc/domain/w{i}" for i in range(6)) if k in result.final}
+    assert len(per_domain) == 3  # the test split has writers w0-w2 only; a domain without test samples is left out
+    assert result.final["test_acc/domain/worst"] == min(per_domain.values())
+    counts = np.bincount(ds.domains_test, minlength=6)  # test_acc is the domains' accuracies weighted by their sizes
+    expected = sum(per_domain[f"test_acc/domain/w{k}"] * counts[k] for k in range(3)) / counts.sum()
+    assert result.final["test_acc"] == pytest.approx(expected)
+
+
+def test_a_domain_column_that_is_the_label_is_refused(saved_images, tmp_path):
+    with pytest.raises(DataError, match="domain_column and label_column are both 'label'"):
+        load(saved_images, tmp_path, domain_column="label")
+
+
 def test_a_parquet_text_run_gets_the_lstm_and_learns(text_parquet, tmp_path):
     dataset = {"task": "text", "label_column": "mood", "tokens": "word", "seq_len": 4, "vocab_size": 12}
     raw = hf_run(tmp_path, text_parquet, dataset=dataset, model={"embed_dim": 8, "hidden": 16, "layers": 1})

@@ -74,6 +74,9 @@ class HFParams(NoParams):
     feature_columns: list[str] | None = None  # tabular: default every numeric column but the label and id columns
     # a natural id per sample (writer, user, hospital, domain): partition.name = "natural" gives a client per id
     id_column: str | None = None
+    # a domain per sample (hospital, scanner, camera, writer; may be id_column too): features.name = "natural"
+    # scores the global test set per domain (test_acc/domain/<value>)
+    domain_column: str | None = None
     # resize every image to this (an int: a square; [height, width]); None keeps the size, which must then be one
     image_size: int | tuple[int, int] | None = None
     # channels: "auto" keeps them (grey stays 1 channel, colour 3, with alpha 2 or 4; mixed modes become the widest)
@@ -311,20 +314,22 @@ def columns(features, p: HFParams) -> dict[str, Any]:
     """``{"label", "id", "task", "input"}``: the columns used and the task (input: a column or a list of them)."""
     label = label_column(features, p)
     ident = need_column(features, "id_column", p.id_column)
-    if ident == label:
-        raise DataError(f"dataset 'hf': id_column and label_column are both {label!r}")
-    rest = {n: f for n, f in features.items() if n not in (label, ident)}
+    domain = need_column(features, "domain_column", p.domain_column)
+    for key, name in (("id_column", ident), ("domain_column", domain)):
+        if name == label:
+            raise DataError(f"dataset 'hf': {key} and label_column are both {label!r}")
+    rest = {n: f for n, f in features.items() if n not in (label, ident, domain)}
     task = p.task
     if task == "auto":
         task = guess_task(features, rest, p)
     if task == "image":
         column = need_column(features, "image_column", p.image_column)
         column = column or only(features, "image_column", "Image", [n for n, f in rest.items() if kind(f) == "Image"])
-        return {"label": label, "id": ident, "task": task, "input": column}
+        return {"label": label, "id": ident, "domain": domain, "task": task, "input": column}
     if task == "text":
         column = need_column(features, "text_column", p.text_column)
         column = column or only(features, "text_column", "string", [n for n, f in rest.items() if kind(f) == "string"])
-        return {"label": label, "id": ident, "task": task, "input": column}
+        return {"label": label, "id": ident, "domain": domain, "task": task, "input": column}
     if p.feature_columns is not None:
         for name in p.feature_columns:
             need_column(features, "feature_columns", name)
@@ -333,7 +338,7 @@ def columns(features, p: HFParams) -> dict[str, Any]:
         cols = [n for n, f in rest.items() if kind(f) in ("int", "float", "bool", "list")]
     if not cols:
         raise DataError(f"dataset 'hf': no numeric column to use as features; its columns: {listing(features)}")
-    return {"label": label, "id": ident, "task": "tabular", "input": cols}
+    return {"label": label, "id": ident, "domain": domain, "task": "tabular", "input": cols}
 
 
 def guess_task(features, rest: dict, p: HFParams) -> str:
@@ -556,8 +561,12 @@ def prepare(train, test, p: HFParams) -> dict:
     arrays = {"x_train": x_train, "y_train": y_train, "x_test": x_test, "y_test": y_test}
     if g_train is not None:
         arrays |= {"groups_train": g_train, "groups_test": g_test}
-    extra |= {"columns": {k: cols[k] for k in ("label", "id", "input")}} | ({"users": users} if users else {})
-    return {"arrays": arrays, "meta": {"task": cols["task"], "class_names": names, "extra": extra}}
+    d_train, d_test, domains = encode_ids(train, test, cols["domain"])
+    if d_train is not None:
+        arrays |= {"domains_train": d_train, "domains_test": d_test}
+    extra |= {"columns": {k: cols[k] for k in ("label", "id", "domain", "input")}} | ({"users": users} if users else {})
+    meta = {"task": cols["task"], "class_names": names, "extra": extra}
+    return {"arrays": arrays, "meta": meta | ({"domain_names": domains} if domains else {})}
 
 
 def cache_key(train, test, p: HFParams, content: str) -> str:
@@ -614,6 +623,9 @@ def to_dataset(prepared: dict, provenance: dict) -> ArrayDataset:
         class_names=names,
         groups_train=a.get("groups_train"),
         groups_test=a.get("groups_test"),
+        domains_train=a.get("domains_train"),
+        domains_test=a.get("domains_test"),
+        domain_names=meta.get("domain_names"),
         extra={**meta["extra"], "provenance": provenance["extra"]},
         **provenance["fields"],
     )
