@@ -4,6 +4,7 @@ reaches both executors, a run repeats bit for bit and resumes bit-exact, and bad
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
@@ -336,6 +337,27 @@ def test_a_system_run_repeats_and_resumes_bit_exact(tiny_config, kill_and_resume
     assert torch.equal(last[0]["algo"]["global_params"], last[1]["algo"]["global_params"])
     assert torch.equal(last[0]["algo"]["global_params"], last[2]["algo"]["global_params"])
     assert last[0]["system"] == last[1]["system"] and last[0]["system"]["time"] > 0
+
+
+def test_a_run_whose_trace_changed_is_not_resumed(tiny_config, tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("client,speed,bandwidth,availability\n" + "".join(f"{c},{10 + c},1000,1\n" for c in range(6)))
+
+    def make(rounds):
+        return tiny_config(run={"rounds": rounds, "name": "traced"}, system={"profiles": "trace", "trace": str(trace)})
+
+    first = Simulation(make(2))
+    first.run()
+    assert (
+        read_checkpoint(first.checkpoint_path)["system"]["trace_sha256"]
+        == hashlib.sha256(trace.read_bytes()).hexdigest()
+    )
+    before = {p: p.read_bytes() for p in first.run_dir.rglob("*") if p.is_file() and p.name != ".fedhet.lock"}
+    trace.write_text(trace.read_text().replace("0,10,1000", "0,99,1000"))
+    with pytest.raises(ConfigError, match=r"system.trace .* has changed since the run was checkpointed"):
+        Simulation(make(3)).run(resume=True)
+    after = {p: p.read_bytes() for p in first.run_dir.rglob("*") if p.is_file() and p.name != ".fedhet.lock"}
+    assert after == before  # the run folder is untouched
 
 
 def test_the_batched_executor_honours_the_step_budgets(tiny_config):

@@ -247,6 +247,8 @@ class Simulation:
         """Set up the run folder (fresh, replaced or resumed); returns the last finished round (0 for a fresh run)."""
 
         def load(state: dict[str, Any]) -> None:
+            if self.system is not None:
+                self.system.check_resumable(state)  # a changed trace file: refused before the folder changes
             self.executor.load_state_dict(state["executor"])  # refuses, changing nothing, if its state is gone
 
         loaded = self.folder.prepare(resume, overwrite, load)

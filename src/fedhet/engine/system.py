@@ -29,6 +29,7 @@ what the uninterrupted one planned."""
 from __future__ import annotations
 
 import csv
+import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ class Profiles:
     speed: np.ndarray
     bandwidth: np.ndarray
     availability: np.ndarray | None = None
+    trace_sha256: str | None = None  # the trace file's bytes, checked when a run resumes
 
 
 def draw_profiles(system: SystemSection, num_clients: int, seed: int) -> Profiles:
@@ -100,9 +102,12 @@ def read_trace(path: Path, num_clients: int) -> Profiles:
     a bad row or a missing client is one ``ConfigError`` naming it."""
     where = f"system.trace {str(path)!r}"
     try:
-        text = path.read_text(encoding="utf-8-sig")
+        data = path.read_bytes()
+        text = data.decode("utf-8-sig")
     except OSError as err:
         raise ConfigError(f"{where} cannot be read: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{where} is not UTF-8 text (byte {err.start})") from None
     rows = list(csv.reader(text.splitlines()))
     header = [c.strip() for c in rows[0]] if rows else []
     if tuple(header) != TRACE_COLUMNS:
@@ -121,7 +126,8 @@ def read_trace(path: Path, num_clients: int) -> Profiles:
         raise ConfigError(
             f"{where} has no row for client(s) {shown}; it needs one row for every client 0..{num_clients - 1}"
         )
-    return Profiles(values[:, 0].copy(), values[:, 1].copy(), values[:, 2].copy())
+    digest = hashlib.sha256(data).hexdigest()
+    return Profiles(values[:, 0].copy(), values[:, 1].copy(), values[:, 2].copy(), digest)
 
 
 def trace_row(row: list[str], line: int, where: str, num_clients: int, seen: np.ndarray) -> int:
@@ -359,7 +365,18 @@ class SystemModel:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"system": {"time": self.time}}
+        trace = {"trace_sha256": self.profiles.trace_sha256} if self.profiles.trace_sha256 else {}
+        return {"system": {"time": self.time, **trace}}
+
+    def check_resumable(self, state: dict[str, Any]) -> None:
+        """Refuse (changing nothing) a checkpoint whose trace file had other bytes than the file now has."""
+        before, now = state.get("system", {}).get("trace_sha256"), self.profiles.trace_sha256
+        if before is not None and before != now:
+            # the profiles are read from the file: other bytes would give the resumed rounds other clients' speeds
+            raise ConfigError(
+                f"system.trace {self.system.trace!r} has changed since the run was checkpointed (sha256 "
+                f"{before[:12]}..., now {(now or 'none')[:12]}...); put the original file back or start a new run"
+            )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.time = float(state.get("system", {}).get("time", 0.0))
