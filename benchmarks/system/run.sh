@@ -33,11 +33,11 @@ for seeds_now in $seeds; do
     case $study in
       stragglers)
         for s in 0 0.5 0.9; do
-          cell "stragglers/$s/fedavg-drop" -v fedavg -s system.stragglers=$s -s system.straggler_policy=drop
-          cell "stragglers/$s/fedprox-mu0" -v fedprox -s algorithm.mu=0 -s system.stragglers=$s \
-            -s system.straggler_policy=partial
-          cell "stragglers/$s/fedprox-mu1" -v fedprox -s algorithm.mu=1 -s system.stragglers=$s \
-            -s system.straggler_policy=partial
+          drop=() partial=()  # a policy is refused without stragglers (there is nothing for it to act on)
+          [[ $s != 0 ]] && drop=(-s system.straggler_policy=drop) partial=(-s system.straggler_policy=partial)
+          cell "stragglers/$s/fedavg-drop" -v fedavg -s system.stragglers=$s "${drop[@]}"
+          cell "stragglers/$s/fedprox-mu0" -v fedprox -s algorithm.mu=0 -s system.stragglers=$s "${partial[@]}"
+          cell "stragglers/$s/fedprox-mu1" -v fedprox -s algorithm.mu=1 -s system.stragglers=$s "${partial[@]}"
         done
         ;;
       local_work)
