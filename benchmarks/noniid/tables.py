@@ -30,6 +30,9 @@ KINDS = {
 }
 METHODS = ["fedavg", "fedprox", "scaffold", "fednova", "feddyn", "moon", "fedbn", "fedrod"]
 PERSONAL = ["fedbn", "fedrod"]
+# FedBN's server never holds BatchNorm statistics (each client keeps its own), so its "global model" is the averaged
+# weights with the initial statistics: not a model anyone uses, and its accuracy means nothing
+NO_GLOBAL_MODEL = {"fedbn": "n/a¹"}
 ARCHIVE = Path(__file__).parent / "results"
 
 
@@ -83,6 +86,9 @@ def cell(found: dict[int, list[dict]], rounds: int, key=lambda r: r["test_acc"],
 def table(out: Path, rounds: int, methods: list[str], **kw) -> list[str]:
     lines = ["| method | " + " | ".join(KINDS.values()) + " |", "|---|" + "---|" * len(KINDS)]
     for method in methods:
+        if method in NO_GLOBAL_MODEL and "key" not in kw:
+            lines.append(f"| {method} | " + " | ".join(NO_GLOBAL_MODEL[method] for _ in KINDS) + " |")
+            continue
         cells = [cell(runs(out, kind, method), rounds, **kw) for kind in KINDS]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return lines
@@ -129,6 +135,7 @@ def main() -> None:
     rounds = final_rounds()
     print(f"Global test accuracy (%) after {rounds} rounds (worst domain or client in brackets):\n")
     print("\n".join(table(args.out, rounds, METHODS)))
+    print("\n¹ FedBN has no global model: each client keeps its BatchNorm layers; see its personalised accuracy.")
     print(f"\nPersonalised accuracy (%) after {rounds} rounds (each client's own model, micro average):\n")
     personal = {"key": lambda r: r["personal_acc_micro"], "with_worst": False}
     print("\n".join(table(args.out, rounds, PERSONAL, **personal)))
