@@ -16,11 +16,17 @@ from statistics import mean, pstdev
 
 ARCHIVE = Path(__file__).parent / "results"
 STRAGGLERS = ["0", "0.5", "0.9"]
-STRAGGLER_LABELS = {
-    "fedavg-drop": "FedAvg (drops stragglers)",
-    "fedprox-mu0": "FedProx μ=0",
-    "fedprox-mu1": "FedProx μ=1",
-}
+STUDIES = {"stragglers": "1", "stragglers_shakespeare": "0.001"}  # the study's folder and its FedProx mu
+
+
+def straggler_labels(mu: str) -> dict[str, str]:
+    return {
+        "fedavg-drop": "FedAvg (drops stragglers)",
+        "fedprox-mu0": "FedProx μ=0",
+        f"fedprox-mu{mu}": f"FedProx μ={mu}",
+    }
+
+
 WORK = {"sizes": "sizes' spread", "random": "random share", "deadline": "deadline, log-normal speeds"}
 
 
@@ -75,17 +81,18 @@ def acc_at(recs: list[dict], t: float) -> float:
     return 100 * before[-1]["test_acc"] if before else 0.0
 
 
-def stragglers(out: Path) -> list[str]:
+def stragglers(out: Path, study: str = "stragglers") -> list[str]:
+    labels = straggler_labels(STUDIES[study])
     lines = ["| method | " + " | ".join(f"{float(s):.0%} stragglers" for s in STRAGGLERS) + " |"]
     lines.append("|---|" + "---|" * len(STRAGGLERS))
-    for label, name in STRAGGLER_LABELS.items():
-        cells = [cell(runs(out, f"stragglers/{s}/{label}"), final_acc) for s in STRAGGLERS]
+    for label, name in labels.items():
+        cells = [cell(runs(out, f"{study}/{s}/{label}"), final_acc) for s in STRAGGLERS]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", "Training loss after the last round (the FedProx paper's figure plots it):", ""]
     lines.append("| method | " + " | ".join(f"{float(s):.0%} stragglers" for s in STRAGGLERS) + " |")
     lines.append("|---|" + "---|" * len(STRAGGLERS))
-    for label, name in STRAGGLER_LABELS.items():
-        cells = [cell(runs(out, f"stragglers/{s}/{label}"), final_loss, digits=3) for s in STRAGGLERS]
+    for label, name in labels.items():
+        cells = [cell(runs(out, f"{study}/{s}/{label}"), final_loss, digits=3) for s in STRAGGLERS]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
@@ -118,15 +125,18 @@ def plots(out: Path, folder: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     folder.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
-    for ax, s in zip(axes, STRAGGLERS, strict=True):
-        for label, name in STRAGGLER_LABELS.items():
-            curve(ax, runs(out, f"stragglers/{s}/{label}"), "round", name)
-        ax.set_title(f"{float(s):.0%} stragglers")
-        ax.set_xlabel("round")
-    axes[0].set_ylabel("test accuracy (%)")
-    axes[0].legend()
-    fig.suptitle("Synthetic(1, 1): stragglers (mean over the seeds run)")
+    fig, grid = plt.subplots(2, 3, figsize=(15, 8))
+    for row, (study, title) in zip(
+        grid, (("stragglers", "Synthetic(1, 1)"), ("stragglers_shakespeare", "Shakespeare")), strict=True
+    ):
+        for ax, s in zip(row, STRAGGLERS, strict=True):
+            for label, name in straggler_labels(STUDIES[study]).items():
+                curve(ax, runs(out, f"{study}/{s}/{label}"), "round", name)
+            ax.set_title(f"{title}, {float(s):.0%} stragglers")
+            ax.set_xlabel("round")
+        row[0].set_ylabel("test accuracy (%)")
+        row[0].legend()
+    fig.suptitle("FedProx's straggler experiment (mean over the seeds run)")
     fig.tight_layout()
     first = folder / "system-stragglers.png"
     fig.savefig(first, dpi=110)
@@ -162,8 +172,10 @@ def main() -> None:
     parser.add_argument("out", nargs="?", default="runs/system-synthetic", type=Path)
     parser.add_argument("--plot-dir", type=Path, help="also draw the curves into this folder")
     args = parser.parse_args()
-    print("Test accuracy (%) after the last round, by the share of stragglers:\n")
+    print("Synthetic(1, 1): test accuracy (%) after the last round, by the share of stragglers:\n")
     print("\n".join(stragglers(args.out)))
+    print("\nShakespeare: test accuracy (%) after the last round, by the share of stragglers:\n")
+    print("\n".join(stragglers(args.out, "stragglers_shakespeare")))
     print("\nTest accuracy (%) after the last round, FedAvg against FedNova, by how local work varies:\n")
     print("\n".join(local_work(args.out)))
     print("\nTest accuracy (%) at equal simulated time (fractions of the synchronous runs' length):\n")
