@@ -24,12 +24,13 @@ from fedhet import cli
 from fedhet.algorithms import ALGORITHMS, SERVER_OPTIMIZERS
 from fedhet.config import Config, load_config
 from fedhet.data.datasets import DATASETS
+from fedhet.data.features import FEATURE_SKEWS
 from fedhet.data.partition import PARTITIONERS
 from fedhet.engine.simulation import resolve_config
 from fedhet.errors import FedhetError
 from fedhet.models import MODELS
 
-REGISTRIES = {"dataset": DATASETS, "partition": PARTITIONERS, "model": MODELS}
+REGISTRIES = {"dataset": DATASETS, "partition": PARTITIONERS, "features": FEATURE_SKEWS, "model": MODELS}
 REGISTRIES |= {"algorithm": ALGORITHMS, "server": SERVER_OPTIMIZERS}
 SECTIONS = list(Config.model_fields)
 JUNK_NAMES = ["", " ", "x", "FEDAVG", "fed avg", "ключ", "名前", "🚀", "a.b", "[run]", "[/]", "'", '"', "\\", "\t"]
@@ -108,6 +109,9 @@ def plausible_sections(draw, section: str) -> dict[str, Any]:
     chosen = draw(st.lists(st.sampled_from(sorted(fields)), max_size=3, unique=True)) if fields else []
     table = {} if name is None else {"name": name}
     for key in chosen:
+        if fields[key].is_required():  # no default to be near (the hf dataset's path): a word instead
+            table[key] = draw(words)
+            continue
         default = fields[key].get_default(call_default_factory=True)
         if key != "name" and default is not None and key not in ("out_dir", "device"):
             table[key] = draw(near(default))

@@ -927,7 +927,7 @@ def test_unreadable_shakespeare_text(tmp_path, monkeypatch):
 def test_every_dataset_is_registered_with_a_summary():
     expected = {"fmnist", "mnist", "emnist", "cifar10", "cifar100", "tinyimagenet", "digits", "synthetic"}
     leaf = {"leaf_femnist", "leaf_celeba", "leaf_sent140"}
-    assert expected | {"shakespeare"} | leaf == set(DATASETS.names())
+    assert expected | {"shakespeare", "hf"} | leaf == set(DATASETS.names())
     assert all(entry.summary for entry in DATASETS.entries())
 
 
