@@ -71,10 +71,6 @@ def final_acc(recs: list[dict]) -> float:
     return 100 * recs[-1]["test_acc"]
 
 
-def final_loss(recs: list[dict]) -> float:
-    return recs[-1]["train_loss"]
-
-
 def acc_at(recs: list[dict], t: float) -> float:
     """The accuracy of the last evaluation at or before simulated time ``t`` (0 before the first)."""
     before = [r for r in recs if r["sim/time"] <= t]
@@ -87,12 +83,6 @@ def stragglers(out: Path, study: str = "stragglers") -> list[str]:
     lines.append("|---|" + "---|" * len(STRAGGLERS))
     for label, name in labels.items():
         cells = [cell(runs(out, f"{study}/{s}/{label}"), final_acc) for s in STRAGGLERS]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += ["", "Training loss after the last round (the FedProx paper's figure plots it):", ""]
-    lines.append("| method | " + " | ".join(f"{float(s):.0%} stragglers" for s in STRAGGLERS) + " |")
-    lines.append("|---|" + "---|" * len(STRAGGLERS))
-    for label, name in labels.items():
-        cells = [cell(runs(out, f"{study}/{s}/{label}"), final_loss, digits=3) for s in STRAGGLERS]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
