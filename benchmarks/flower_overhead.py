@@ -76,9 +76,9 @@ class TimedSimulation(Simulation):
         self.round_s: dict[int, float] = defaultdict(float)
         self.round_cpu_s: dict[int, float] = defaultdict(float)
 
-    def run_phase(self, rnd, phase_idx, phase, cids):
+    def run_phase(self, rnd, phase_idx, phase, cids, budgets=None):
         start, cpu = time.perf_counter(), tree_cpu_s()
-        result = super().run_phase(rnd, phase_idx, phase, cids)
+        result = super().run_phase(rnd, phase_idx, phase, cids, budgets)
         self.round_s[rnd] += time.perf_counter() - start
         self.round_cpu_s[rnd] += tree_cpu_s() - cpu
         return result

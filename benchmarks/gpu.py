@@ -92,10 +92,10 @@ class TimedSimulation(Simulation):
         super().__init__(*args, **kwargs)
         self.round_s: dict[int, float] = {}
 
-    def run_phase(self, rnd, phase_idx, phase, cids):
+    def run_phase(self, rnd, phase_idx, phase, cids, budgets=None):
         sync(self.flat.params.device)
         start = time.perf_counter()
-        result = super().run_phase(rnd, phase_idx, phase, cids)
+        result = super().run_phase(rnd, phase_idx, phase, cids, budgets)
         sync(self.flat.params.device)
         self.round_s[rnd] = self.round_s.get(rnd, 0.0) + time.perf_counter() - start
         return result
