@@ -129,6 +129,26 @@ def test_nodes_with_their_own_data_files_train_like_the_simulation(tiny_config, 
     assert torch.equal(final_params(local_dir.parent / "files"), final_params(local_dir))
 
 
+def test_nodes_with_their_own_files_score_feature_skew_domains_like_the_simulation(tiny_config, tmp_path):
+    """Rotated domains: the exported files hold each client's rotated data, and the server, which reads only the
+    dataset's test set, scores one rotated copy per domain, as the simulation does."""
+
+    def cfg(name):
+        return tiny_config(
+            run={"rounds": 2, "name": name},
+            partition={"num_clients": 4, "local_test_fraction": 0.2},
+            features={"name": "rotation", "domains": 2},
+        )
+
+    paths = export_clients(cfg("files"), tmp_path / "clients")
+    run_flower(cfg("files"), {10 + cid: {"partition-id": cid, "data-path": str(p)} for cid, p in enumerate(paths)})
+    _, local_dir = in_process(cfg("local"))
+    got, want = records(local_dir.parent / "files"), records(local_dir)
+    keys = ("test_acc", "test_loss", "test_acc/domain/0", "test_acc/domain/1", "test_acc/domain/worst")
+    assert [tuple(g[k] for k in keys) for g in got] == [tuple(w[k] for k in keys) for w in want]
+    assert torch.equal(final_params(local_dir.parent / "files"), final_params(local_dir))
+
+
 def test_a_failing_client_is_dropped_and_keeps_its_state_as_in_the_simulation(tiny_config, monkeypatch):
     run = ClientRunner.run
 

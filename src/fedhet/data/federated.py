@@ -72,15 +72,12 @@ def white_value(ds: ArrayDataset) -> tuple[float, ...] | None:
 
 
 def normalise(x: np.ndarray, ds: ArrayDataset) -> np.ndarray:
-    if ds.task != "image" or ds.mean is None:
-        return x
-    mean = np.asarray(ds.mean, dtype=np.float32).reshape(1, -1, 1, 1)
-    std = np.asarray(ds.std, dtype=np.float32).reshape(1, -1, 1, 1)
-    return (x - mean) / std
+    """Images with the dataset's per-channel mean subtracted and divided by its std; other inputs as they are."""
+    return normalise_tensor(torch.from_numpy(x), ds).numpy() if ds.task == "image" and ds.mean is not None else x
 
 
 def normalise_tensor(x: torch.Tensor, ds: ArrayDataset) -> torch.Tensor:
-    """``normalise`` on a tensor (the same float32 operations, so the same bits)."""
+    """``normalise`` on a tensor (on the CPU, so every process computes the same bits)."""
     if ds.task != "image" or ds.mean is None:
         return x
     mean = torch.tensor(ds.mean, dtype=torch.float32).reshape(1, -1, 1, 1)
@@ -125,7 +122,6 @@ def federate(
         )
     if test_parts is not None and (use_local_union or local_test_fraction > 0):
         raise DataError("local test data come either from the official test set or from a split, not both")
-    skew = None if skew is None or skew.name == "none" else skew
     x_all, y_all, domains_all = ds.x_train, ds.y_train, ds.domains_train
     if merged:
         x_all = np.concatenate([ds.x_train, ds.x_test])
@@ -133,6 +129,7 @@ def federate(
         domains_all = None if domains_all is None else np.concatenate([ds.domains_train, ds.domains_test])
     rng = np.random.default_rng([seed, 0x5EED])
     inputs = ClientInputs(ds, skew, len(parts), seed, device)
+    skew = inputs.skew
     x_t = torch.from_numpy(np.ascontiguousarray(inputs.prepare(x_all)))
     y_t = torch.from_numpy(np.ascontiguousarray(y_all)).long().to(device)
     official = None if use_local_union else torch.from_numpy(np.ascontiguousarray(inputs.prepare(ds.x_test)))
@@ -170,9 +167,7 @@ def federate(
         pad_value=black_value(ds),
         white_value=white_value(ds),
         provenance=ds.provenance(),
-        test_domains=test_domains,
-        domain_names=skew.domain_names if skew is not None else (),
-        client_domains=skew.client_domains if skew is not None else (),
+        **inputs.domains(test_domains),
     )
 
 
@@ -182,7 +177,14 @@ class ClientInputs:
     normalised."""
 
     def __init__(self, ds: ArrayDataset, skew: FeatureSkew | None, num_clients: int, seed: int, device) -> None:
-        self.ds, self.skew, self.num_clients, self.seed, self.device = ds, skew, num_clients, seed, device
+        self.skew = None if skew is None or skew.name == "none" else skew
+        self.ds, self.num_clients, self.seed, self.device = ds, num_clients, seed, device
+
+    def domains(self, test_domains: torch.Tensor | None) -> dict:
+        """The FederatedDataset fields that describe the domains."""
+        skew = self.skew
+        names, clients = (skew.domain_names, skew.client_domains) if skew is not None else ((), ())
+        return {"test_domains": test_domains, "domain_names": names, "client_domains": clients}
 
     def prepare(self, x: np.ndarray) -> np.ndarray:
         return x if self.skew is not None else normalise(x, self.ds)

@@ -174,7 +174,8 @@ def server_federation(cfg: Config, nodes: Nodes) -> FederatedDataset:
     reading their own files, the server has the config dataset's test set and the label counts the nodes reported,
     and per-client accuracies are the distribution-weighted ones (it never sees the clients' local test data)."""
     from fedhet.data.datasets import load_dataset
-    from fedhet.data.federated import normalise
+    from fedhet.data.features import feature_skew
+    from fedhet.data.federated import ClientInputs
     from fedhet.engine.training import build_federation
 
     if not nodes.from_file:
@@ -182,20 +183,25 @@ def server_federation(cfg: Config, nodes: Nodes) -> FederatedDataset:
     ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir, **cfg.dataset.params())
     if not ds.has_test_set:
         raise NodeError(f"dataset {cfg.dataset.name!r} has no test set for the server to evaluate on")
-    device = cfg.run.device
-    counts = np.stack([nodes.label_counts[c] for c in range(cfg.partition.num_clients)])
-    x_test = torch.from_numpy(np.ascontiguousarray(normalise(ds.x_test, ds))).to(device)
+    device, n = cfg.run.device, cfg.partition.num_clients
+    counts = np.stack([nodes.label_counts[c] for c in range(n)])
+    # the test set as the simulation scores it: normalised, and one transformed copy per domain of a feature skew
+    skew = feature_skew(cfg.features.name, ds, n, **cfg.features.params())
+    inputs = ClientInputs(ds, skew, n, cfg.run.seed if cfg.partition.seed is None else cfg.partition.seed, device)
+    official = torch.from_numpy(np.ascontiguousarray(inputs.prepare(ds.x_test)))
+    x_test, y_test, test_domains = inputs.official_test(official, ds.y_test, ds.domains_test)
     no_data = ClientData(x=x_test[:0], y=torch.zeros(0, dtype=torch.long, device=device), num_classes=ds.num_classes)
     return FederatedDataset(
         name=ds.name,
-        clients=[no_data] * cfg.partition.num_clients,
+        clients=[no_data] * n,
         x_test=x_test,
-        y_test=torch.from_numpy(np.ascontiguousarray(ds.y_test)).long().to(device),
+        y_test=y_test,
         num_classes=ds.num_classes,
         input_shape=tuple(ds.input_shape),
         train_counts=counts,
         test_source="official",
         provenance=ds.provenance(),
+        **inputs.domains(test_domains),
     )
 
 
