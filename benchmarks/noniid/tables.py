@@ -95,7 +95,8 @@ def table(out: Path, rounds: int, methods: list[str], **kw) -> list[str]:
 
 
 def plot(out: Path, path: Path) -> None:
-    """One panel per kind: the global test accuracy against rounds, mean over the seeds found, per method."""
+    """One panel per kind: the global test accuracy against rounds, mean over the seeds found, per method (FedBN,
+    which has no global model, is left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -106,7 +107,7 @@ def plot(out: Path, path: Path) -> None:
     for ax, (kind, title) in zip(axes.flat, KINDS.items(), strict=False):
         for i, method in enumerate(METHODS):
             found = runs(out, kind, method)
-            if not found:
+            if not found or method in NO_GLOBAL_MODEL:
                 continue
             by_round: dict[int, list[float]] = {}
             for recs in found.values():
