@@ -126,10 +126,7 @@ def plots(out: Path, folder: Path) -> list[Path]:
             ax.set_xlabel("round")
         row[0].set_ylabel("test accuracy (%)")
         row[0].legend()
-    fig.suptitle("FedProx's straggler experiment (mean over the seeds run)")
-    fig.tight_layout()
-    first = folder / "system-stragglers.png"
-    fig.savefig(first, dpi=110)
+    first = save(fig, "FedProx's straggler experiment (mean over the seeds run)", folder / "system-stragglers.png")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for label, name in (("fedavg-sync", "FedAvg, synchronous"), ("fedbuff", "FedBuff")):
         found = runs(out, f"async/lognormal/{label}")
@@ -139,11 +136,15 @@ def plots(out: Path, folder: Path) -> list[Path]:
     axes[1].set_xlabel("simulated time (s)")
     axes[0].set_ylabel("test accuracy (%)")
     axes[1].legend()
-    fig.suptitle("Synthetic(1, 1), log-normal client speeds: FedBuff against synchronous FedAvg")
+    title = "Synthetic(1, 1), log-normal client speeds: FedBuff against synchronous FedAvg"
+    return [first, save(fig, title, folder / "system-async.png")]
+
+
+def save(fig, title: str, path: Path) -> Path:
+    fig.suptitle(title)
     fig.tight_layout()
-    second = folder / "system-async.png"
-    fig.savefig(second, dpi=110)
-    return [first, second]
+    fig.savefig(path, dpi=110)
+    return path
 
 
 def curve(ax, found: dict, x: str, name: str) -> None:
