@@ -133,6 +133,7 @@ def federate(
     x_t = torch.from_numpy(np.ascontiguousarray(inputs.prepare(x_all)))
     y_t = torch.from_numpy(np.ascontiguousarray(y_all)).long().to(device)
     official = None if use_local_union else torch.from_numpy(np.ascontiguousarray(inputs.prepare(ds.x_test)))
+    y_official = torch.from_numpy(np.ascontiguousarray(ds.y_test)).long()
     clients, counts, held_out = [], [], []
     for i, idx in enumerate(parts):
         tr, te = _split_local(np.asarray(idx), local_test_fraction, rng)
@@ -143,7 +144,7 @@ def federate(
         elif test_parts is not None:
             mine = torch.from_numpy(np.asarray(test_parts[i], np.int64))
             client.x_test = inputs.client(official[mine], i, 1)
-            client.y_test = torch.from_numpy(np.ascontiguousarray(ds.y_test))[mine].long().to(device)
+            client.y_test = y_official[mine].to(device)
         clients.append(client)
         counts.append(np.bincount(y_all[tr], minlength=ds.num_classes))
         held_out.append(te)
@@ -153,7 +154,7 @@ def federate(
         test_domains = inputs.union_domains(held_out, domains_all)
         source = "local-union"
     else:
-        x_test, y_test, test_domains = inputs.official_test(official, ds.y_test, ds.domains_test)
+        x_test, y_test, test_domains = inputs.official_test(official, y_official, ds.domains_test)
         source = "official"
     return FederatedDataset(
         name=ds.name,
@@ -194,9 +195,8 @@ class ClientInputs:
             x = normalise_tensor(self.skew.client(x, i, self.num_clients, self.seed, role), self.ds)
         return x.to(self.device)
 
-    def official_test(self, x: torch.Tensor, y: np.ndarray, domains: np.ndarray | None):
+    def official_test(self, x: torch.Tensor, y_t: torch.Tensor, domains: np.ndarray | None):
         """The global test set, its labels and each sample's domain (None without domains)."""
-        y_t = torch.from_numpy(np.ascontiguousarray(y)).long()
         skew = self.skew
         if skew is None:
             return x.to(self.device), y_t.to(self.device), None

@@ -189,7 +189,8 @@ def server_federation(cfg: Config, nodes: Nodes) -> FederatedDataset:
     skew = feature_skew(cfg.features.name, ds, n, **cfg.features.params())
     inputs = ClientInputs(ds, skew, n, cfg.run.seed if cfg.partition.seed is None else cfg.partition.seed, device)
     official = torch.from_numpy(np.ascontiguousarray(inputs.prepare(ds.x_test)))
-    x_test, y_test, test_domains = inputs.official_test(official, ds.y_test, ds.domains_test)
+    labels = torch.from_numpy(np.ascontiguousarray(ds.y_test)).long()
+    x_test, y_test, test_domains = inputs.official_test(official, labels, ds.domains_test)
     no_data = ClientData(x=x_test[:0], y=torch.zeros(0, dtype=torch.long, device=device), num_classes=ds.num_classes)
     return FederatedDataset(
         name=ds.name,
