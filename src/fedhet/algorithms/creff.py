@@ -58,6 +58,7 @@ from pydantic import Field
 
 from fedhet.algorithms.base import ALGORITHMS, ClientContext, Message, Reply, Setup, weighted_sum
 from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
+from fedhet.data.device import to_device
 from fedhet.toolkit.flat import FlatModel
 
 if TYPE_CHECKING:
@@ -268,7 +269,7 @@ class CReFF(FedAvg):
         x, y = self.features, self.class_blocks(self.features)[1].reshape(-1)
         size = cfg.retrain_batch_size or self.setup.train.batch_size
         for _ in range(cfg.retrain_epochs):
-            perm = torch.randperm(len(y), generator=gen).to(x.device)
+            perm = to_device(torch.randperm(len(y), generator=gen), x.device)
             xs, ys = x[perm], y[perm]  # one shuffle per epoch, batches are views
             for start in range(0, len(y), size):
                 g_w, g_b = head_grads(xs[start : start + size], ys[start : start + size], weight, bias)

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 
 from fedhet.algorithms.base import ALGORITHMS, AlgoConfig, Algorithm, ClientContext, Reply, Setup
+from fedhet.data.device import to_device
 from fedhet.toolkit.confusion import probability_matrix, soft_confusion, template_kl
 
 if TYPE_CHECKING:
@@ -148,11 +149,11 @@ def draw_mix(alpha: float, n: int, generator: torch.Generator) -> tuple[float, t
 
 def accumulate(sums: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor, labels: list[tuple]) -> None:
     """Add each sample's probabilities to the rows of its labels, weighted: ``labels`` is [(y, weight), ...]."""
-    probs = probs.detach().double().cpu()
+    probs = probs.detach().double().to(sums.device)  # where the sums live: the batch's device, no read-back per step
     for y, weight in labels:
-        y = y.cpu()
+        y = y.to(sums.device)
         sums.index_add_(0, y, probs * weight)
-        counts.index_add_(0, y, torch.full((len(y),), float(weight), dtype=torch.float64))
+        counts.index_add_(0, y, torch.full((len(y),), float(weight), dtype=torch.float64, device=sums.device))
 
 
 # ------------------------------------------------------------------------------------------------ algorithm
@@ -227,7 +228,9 @@ class FedACD(Algorithm):
     def mixup_pass(self, ctx: ClientContext) -> torch.Tensor:
         """P of the current model on mixup batches of the local data in order (eval mode, no gradient)."""
         n, c = len(ctx.data), ctx.data.num_classes
-        sums, counts = torch.zeros(c, c, dtype=torch.float64), torch.zeros(c, dtype=torch.float64)
+        device = ctx.data.x.device
+        sums = torch.zeros(c, c, dtype=torch.float64, device=device)
+        counts = torch.zeros(c, dtype=torch.float64, device=device)
         was_training = ctx.model.training
         ctx.model.eval()
         for start in range(0, n, ctx.train.batch_size):
@@ -235,27 +238,28 @@ class FedACD(Algorithm):
             x, labels = self.mix(ctx, x, y)
             accumulate(sums, counts, torch.softmax(ctx.model(x), dim=1), labels)
         ctx.model.train(was_training)
-        return probability_matrix(sums, counts)
+        return probability_matrix(sums.cpu(), counts.cpu())
 
     def set_p(self, ctx: ClientContext, p: torch.Tensor) -> None:
         cfg = self.config
         ctx.scratch["acd_p"] = p
         adjust = adjustment_matrix(p, cfg.delta_missing, cfg.p_floor, cfg.log_delta_clip)
-        ctx.scratch["acd_adjust"] = adjust.to(device=ctx.data.x.device, dtype=torch.float32)
+        ctx.scratch["acd_adjust"] = to_device(adjust.to(torch.float32), ctx.data.x.device)
         present = ~torch.isnan(p).any(dim=1)
         ctx.scratch["acd_log_delta_max"] = float(adjust[present][:, present].abs().max())  # notes 8.12: its range
 
     def reset_sums(self, ctx: ClientContext) -> None:
         c = ctx.data.num_classes
-        ctx.scratch["acd_sums"] = torch.zeros(c, c, dtype=torch.float64)
-        ctx.scratch["acd_counts"] = torch.zeros(c, dtype=torch.float64)
+        # on the data's device, read once per epoch (refresh_p), not per step
+        ctx.scratch["acd_sums"] = torch.zeros(c, c, dtype=torch.float64, device=ctx.data.x.device)
+        ctx.scratch["acd_counts"] = torch.zeros(c, dtype=torch.float64, device=ctx.data.x.device)
 
     def refresh_p(self, ctx: ClientContext) -> None:
         """At an epoch boundary: P from the finished epoch's training outputs (option B) or a clean pass (A)."""
         if self.config.p_estimate == "clean_pass":
             self.set_p(ctx, self.clean_pass(ctx))
             return
-        estimate = probability_matrix(ctx.scratch["acd_sums"], ctx.scratch["acd_counts"])
+        estimate = probability_matrix(ctx.scratch["acd_sums"].cpu(), ctx.scratch["acd_counts"].cpu())
         seen = ~torch.isnan(estimate).any(dim=1)  # a row with no weight this epoch keeps its previous estimate
         self.set_p(ctx, torch.where(seen.unsqueeze(1), estimate, ctx.scratch["acd_p"]))
         self.reset_sums(ctx)
@@ -269,7 +273,7 @@ class FedACD(Algorithm):
         if not self.config.mixup:
             return x, [(y, 1.0)]
         lam, perm = self.draw_mix(ctx, len(y))
-        perm = perm.to(y.device)
+        perm = to_device(perm, y.device)
         return lam * x + (1.0 - lam) * x[perm], [(y, lam), (y[perm], 1.0 - lam)]
 
     def loss_inputs(self, ctx: ClientContext) -> dict[str, torch.Tensor]:
@@ -281,8 +285,9 @@ class FedACD(Algorithm):
             lam, perm = self.draw_mix(ctx, len(ctx.batch))
             ctx.scratch["acd_mix"] = (lam, perm)
             # lam and 1 - lam rounded from float64 as a Python scalar would be: the products are the same
-            inputs["mix"] = torch.tensor([lam, 1.0 - lam], dtype=ctx.data.x.dtype, device=ctx.data.x.device)
-            inputs["perm"] = perm.to(ctx.data.x.device)
+            mix = torch.tensor([lam, 1.0 - lam], dtype=ctx.data.x.dtype)
+            inputs["mix"] = to_device(mix, ctx.data.x.device)
+            inputs["perm"] = to_device(perm, ctx.data.x.device)
         return inputs
 
     def loss(
@@ -311,7 +316,7 @@ class FedACD(Algorithm):
         labels = [(y, 1.0)]
         if self.config.mixup:
             lam, perm = ctx.scratch["acd_mix"]
-            labels = [(y, lam), (y[perm.to(y.device)], 1.0 - lam)]
+            labels = [(y, lam), (y[to_device(perm, y.device)], 1.0 - lam)]
         accumulate(ctx.scratch["acd_sums"], ctx.scratch["acd_counts"], probs, labels)
 
     def after_local(self, ctx: ClientContext) -> Reply:

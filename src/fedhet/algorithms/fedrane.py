@@ -71,6 +71,7 @@ from fedhet.algorithms.fedacd import draw_mix
 from fedhet.algorithms.fednh import init_prototypes
 from fedhet.algorithms.gne import GNE
 from fedhet.algorithms.spherefed import SphereHead
+from fedhet.data.device import to_device
 from fedhet.errors import ConfigError
 from fedhet.models.base import FedModel
 from fedhet.models.lra import (
@@ -235,7 +236,7 @@ class FedRANE(Algorithm):
             return self.supervised_loss(ctx.model, ctx.model.body(x), y)
         # the official train_raw: one extractor pass over [x; mixup(x)], each half augmented on its own graph
         lam, perm = draw_mix(cfg.mixup_alpha, len(y), ctx.generator)
-        perm = perm.to(y.device)
+        perm = to_device(perm, y.device)
         z = ctx.model.body(torch.cat([x, lam * x + (1.0 - lam) * x[perm]]))
         loss = self.supervised_loss(ctx.model, z[: len(y)], y)
         v, cd = self.augmented(ctx.model, z[len(y) :])

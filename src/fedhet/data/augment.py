@@ -15,6 +15,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from fedhet.data.device import to_device
+
 Augment = Callable[[torch.Tensor, torch.Generator], torch.Tensor]
 
 
@@ -22,7 +24,7 @@ def filled(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, fill: to
     """``op`` (which brings in zeros at the border) on ``x`` with the border at ``fill`` instead."""
     if fill is None:
         return op(x)
-    f = fill.to(x).view(1, -1, 1, 1)
+    f = to_device(fill, x.device).to(x.dtype).view(1, -1, 1, 1)
     return op(x - f) + f
 
 
@@ -31,23 +33,24 @@ def random_crop(
 ) -> torch.Tensor:
     b, _, h, w = x.shape
     padded = filled(lambda t: F.pad(t, (padding, padding, padding, padding)), x, fill)
-    oy = torch.randint(0, 2 * padding + 1, (b,), generator=g)
-    ox = torch.randint(0, 2 * padding + 1, (b,), generator=g)
-    rows = (oy[:, None] + torch.arange(h))[:, :, None]  # (B, H, 1)
-    cols = (ox[:, None] + torch.arange(w))[:, None, :]  # (B, 1, W)
-    batch = torch.arange(b)[:, None, None]
+    # the offsets drawn on the client's CPU generator, then indexed where the batch lives
+    oy = to_device(torch.randint(0, 2 * padding + 1, (b,), generator=g), x.device)
+    ox = to_device(torch.randint(0, 2 * padding + 1, (b,), generator=g), x.device)
+    rows = (oy[:, None] + torch.arange(h, device=x.device))[:, :, None]  # (B, H, 1)
+    cols = (ox[:, None] + torch.arange(w, device=x.device))[:, None, :]  # (B, 1, W)
+    batch = torch.arange(b, device=x.device)[:, None, None]
     return padded.permute(0, 2, 3, 1)[batch, rows, cols].permute(0, 3, 1, 2).contiguous()
 
 
 def random_flip(x: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    flip = torch.rand(x.shape[0], generator=g) < 0.5
+    flip = to_device(torch.rand(x.shape[0], generator=g) < 0.5, x.device)
     return torch.where(flip[:, None, None, None], x.flip(3), x)
 
 
 def random_rotate(
     x: torch.Tensor, g: torch.Generator, degrees: float = 10.0, fill: torch.Tensor | None = None
 ) -> torch.Tensor:
-    angle = (torch.rand(x.shape[0], generator=g) * 2 - 1) * math.radians(degrees)
+    angle = (to_device(torch.rand(x.shape[0], generator=g), x.device) * 2 - 1) * math.radians(degrees)
     cos, sin = angle.cos(), angle.sin()
     zero = torch.zeros_like(cos)
     theta = torch.stack([torch.stack([cos, -sin, zero], 1), torch.stack([sin, cos, zero], 1)], 1)

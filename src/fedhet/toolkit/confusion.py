@@ -27,13 +27,13 @@ def soft_confusion(
     batch_size = eval_batch_size(model, batch_size)
     was_training = model.training
     model.eval()
-    sums = torch.zeros(num_classes, num_classes, dtype=torch.float64)
+    sums = torch.zeros(num_classes, num_classes, dtype=torch.float64, device=x.device)  # read once, at the end
     for start in range(0, len(y), batch_size):
         probs = torch.softmax(model(x[start : start + batch_size]).double(), dim=1)
-        sums.index_add_(0, y[start : start + batch_size].cpu(), probs.cpu())
+        sums.index_add_(0, y[start : start + batch_size].to(x.device), probs)
     model.train(was_training)
     counts = torch.bincount(y.cpu(), minlength=num_classes).to(torch.float64)
-    return sums, counts
+    return sums.cpu(), counts
 
 
 def probability_matrix(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

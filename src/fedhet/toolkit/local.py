@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from fedhet.data.device import to_device
+
 if TYPE_CHECKING:
     from fedhet.config import TrainSection
     from fedhet.toolkit.flat import FlatModel
@@ -230,14 +232,12 @@ def batch_indices(
     """Mini-batches of sample indices: a fresh permutation per pass, the last batch of a pass may be short.
 
     The permutation is drawn on the (CPU) generator, so every device sees the same batches, and moved to ``device``
-    (where the data lives) once per pass: on a GPU one transfer per epoch instead of one per step."""
+    (where the data lives) once per pass, without waiting for the device (``fedhet.data.device.to_device``)."""
     if n == 0 and total_steps > 0:  # no pass would ever yield a batch: refuse rather than loop forever
         raise ValueError("this client holds no training samples, so it cannot train")
     taken = 0
     while taken < total_steps:
-        perm = torch.randperm(n, generator=generator)
-        if device is not None and device != perm.device:
-            perm = perm.to(device)
+        perm = to_device(torch.randperm(n, generator=generator), device)
         for start in range(0, n, batch_size):
             if taken == total_steps:
                 return
