@@ -359,7 +359,55 @@ def cases(args) -> list[tuple[str, str, callable]]:
                 update={"run": cfg_c.run.model_copy(update={"executor": ex, "name": f"c-{prec}-{ex}"})}
             )
             out.append((c_name, f"{ex} {prec}", lambda c=c, f=fed_c: fedhet_run(c, f)))
+    out += changed_losses(args, cf, cf_what, model_c) + sweep(args, fm, fm_what, cf, cf_what, model_c)
     return out + ([flower] if args.flower else [])  # last: Ray's start is the slowest and least predictable part
+
+
+def changed_losses(args, cf: str, cf_what: str, model_c: dict) -> list[tuple[str, str, callable]]:
+    """(d) methods whose client loss is not plain cross-entropy (the batched executor's functional losses): MOON
+    (a second and third forward pass, the previous and the global model) and FedRCL (supervised contrastive terms
+    over the batch's features), on (c)'s ResNet-18-GN."""
+    clients, per_round, epochs = (10, 4, 1) if args.small else (100, 10, 1)
+    out = []
+    for algo in ("moon", "fedrcl"):
+        cfg = config(
+            args, f"d-{algo}", cf, clients, per_round, model_c,
+            {"local_epochs": epochs, "batch_size": 50, "momentum": 0.9}, algo,
+        )  # fmt: skip
+        fed = build_federation(cfg)
+        name = f"(d) {algo} ResNet-18-GN, {cf_what}, {per_round}/{clients} clients, E={epochs}, B=50"
+        for ex in ("sequential", "batched"):
+            c = cfg.model_copy(update={"run": cfg.run.model_copy(update={"executor": ex, "name": f"d-{algo}-{ex}"})})
+            out.append((name, ex, lambda c=c, f=fed: fedhet_run(c, f)))
+    return out
+
+
+def sweep(args, fm: str, fm_what: str, cf: str, cf_what: str, model_c: dict) -> list[tuple[str, str, callable]]:
+    """(e) where batching starts to pay (the rule of ``run.executor = "auto"``): 2, 4, 8, 16 and 32 clients a round
+    of 100 (Dirichlet 0.5), one epoch, for the 2NN (batch 10), ``convnet`` (batch 64) and ResNet-18-GN (batch 50)."""
+    ks = (2, 4) if args.small else (2, 4, 8, 16, 32)
+    models = [
+        ("2NN", fm, fm_what, {"name": "mlp", "hidden": [200, 200]}, 10),
+        (
+            "convnet",
+            fm,
+            fm_what,
+            {"name": "convnet"} if not args.small else {"name": "convnet", "channels": [8, 16]},
+            64,
+        ),
+        ("ResNet-18-GN", cf, cf_what, model_c, 50),
+    ]
+    out = []
+    for label, data, what, model, batch in models:
+        cfg0 = config(args, f"e-{label}", data, 20 if args.small else 100, 2, model, {"batch_size": batch}, "fedavg")
+        fed = build_federation(cfg0)
+        for k in ks:
+            cfg = cfg0.model_copy(update={"train": cfg0.train.model_copy(update={"clients_per_round": k})})
+            name = f"(e) FedAvg {label}, {what}, {k}/{cfg.partition.num_clients} clients, E=1, B={batch}"
+            for ex in ("sequential", "batched"):
+                c = cfg.model_copy(update={"run": cfg.run.model_copy(update={"executor": ex, "name": f"e-{ex}"})})
+                out.append((name, ex, lambda c=c, f=fed: fedhet_run(c, f)))
+    return out
 
 
 def device_name(device: torch.device) -> str:
@@ -416,11 +464,18 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def write(args, device: torch.device, results: list[dict]) -> dict:
-    report = {"device": device_name(device), "torch": torch.__version__, "small": args.small, "results": results}
+    report = {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "small": args.small,
+        "results": results,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu.json").write_text(json.dumps(report, indent=1))
     timed = f"rounds 2-{min(args.rounds, 6)}" if args.rounds > 1 else "round 1"
-    md = f"Device: {report['device']}; torch {report['torch']}; median of {timed}.\n\n{table(results)}\n"
+    cuda = f", CUDA {report['cuda']}" if report["cuda"] and device.type == "cuda" else ""
+    md = f"Device: {report['device']}; torch {report['torch']}{cuda}; median of {timed}.\n\n{table(results)}\n"
     (args.out / "gpu.md").write_text(md)
     return report
 

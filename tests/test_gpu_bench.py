@@ -25,6 +25,11 @@ def test_small_mode_runs_every_case_and_writes_its_table(tmp_path, monkeypatch):
     runners = {(r["case"][:3], r["runner"]) for r in results}
     assert {("(a)", "sequential"), ("(a)", "batched"), ("(a)", "bare torch")} <= runners
     assert {("(b)", "sequential"), ("(b)", "batched"), ("(c)", "batched bf16"), ("(c)", "sequential fp32")} <= runners
+    assert {("(d)", "sequential"), ("(d)", "batched"), ("(e)", "sequential"), ("(e)", "batched")} <= runners
+    changed = {r["case"].split()[1] for r in results if r["case"].startswith("(d)")}
+    assert changed == {"moon", "fedrcl"}
+    swept = [r["case"] for r in results if r["case"].startswith("(e)") and r["runner"] == "batched"]
+    assert [c.split(", ")[2].split("/")[0] for c in swept] == ["2", "4"] * 3  # per model: K = 2, 4 (small mode)
     for r in results:
         assert r["s_per_round"] > 0 and len(r["rounds"]) == 2 and r["peak_mib"] is None  # no CUDA here
         assert r["executor"] == ("bare torch" if r["runner"] == "bare torch" else r["runner"].split()[0])
