@@ -189,9 +189,17 @@ def test_precision_is_not_a_resumable_change():
     assert "train.precision" not in RESUMABLE_CHANGES and "run.max_group" in RESUMABLE_CHANGES
 
 
-def test_provisional_gpu_rule_batches_from_four_clients(tiny_config):
-    sim = Simulation(tiny_config(model={"name": "convnet", "channels": [8, 16], "hidden": 32}))
+def test_gpu_rule_batches_from_eight_clients_for_every_model(tiny_config):
+    """The CUDA rule of "auto", from the H200 sweep (docs/performance.md): batched from 8 clients a round whatever
+    the (batchable) model and batch size, here a fully connected and a convolutional one, sequential below; the CPU
+    rule is not changed by it."""
+    assert batched.AUTO_GPU_MIN_CLIENTS == 8
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert batched.batching_pays_off(sim.flat, 64, batched.AUTO_GPU_MIN_CLIENTS, cuda)
-    assert not batched.batching_pays_off(sim.flat, 64, batched.AUTO_GPU_MIN_CLIENTS - 1, cuda)
+    for model in ({"name": "mlp", "hidden": [200, 200]}, {"name": "convnet", "channels": [8, 16], "hidden": 32}):
+        sim = Simulation(tiny_config(model=model))
+        assert batched.batching_pays_off(sim.flat, 64, 8, cuda) and batched.batching_pays_off(sim.flat, 10, 100, cuda)
+        assert not batched.batching_pays_off(sim.flat, 64, 7, cuda) and not batched.batching_pays_off(
+            sim.flat, 10, 2, cuda
+        )
+    sim = Simulation(tiny_config(model={"name": "convnet", "channels": [8, 16], "hidden": 32}))
     assert not batched.batching_pays_off(sim.flat, 64, 100, cpu)  # a conv net on a CPU: measured slower

@@ -66,6 +66,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from fedhet.algorithms.base import Algorithm, ClientContext, Message, Reply
 from fedhet.algorithms.contract import step_budget
 from fedhet.algorithms.functional import Apply, record_aux, split_loss
+from fedhet.data.device import to_device
 from fedhet.data.types import ClientData
 from fedhet.engine.checkpoint import StateFileError
 from fedhet.engine.client import ClientRunner, LocalExecutor, check_finite, failure_record
@@ -358,7 +359,7 @@ class BatchedExecutor:
             if len(ks) < self.vmap_from:
                 alone.extend(ks)
                 continue
-            idx = torch.tensor(ks, device=rows.device)
+            idx = to_device(torch.tensor(ks), rows.device)  # no host wait: a pinned, queued copy
             batched, shared = self._loss_inputs(ks, members)
             fn = vmap(grad_and_value(self._own_client_loss, has_aux=True), in_dims=(0, 0, 0, 0, None))
             params = self._param_views(rows.index_select(0, idx))
@@ -661,7 +662,7 @@ class _Batch:
         if b != self.lengths[k]:
             self.mask[k, :b] = 1.0
             self.mask[k, b:] = 0.0
-            self.count[k] = float(max(b, 1))
+            self.count[k].fill_(float(max(b, 1)))  # a kernel: assigning a Python float copies from the host
             self.lengths[k] = b
 
 
@@ -718,10 +719,12 @@ def activation_bytes(runner: ClientRunner, x: torch.Tensor, y: torch.Tensor) -> 
 # CPU vmap saves per-operation overhead but not arithmetic.
 AUTO_MIN_CLIENTS = 20
 AUTO_MAX_WORK = 1_000_000  # parameters x batch size
-# PROVISIONAL, not measured (no GPU has been available yet; docs/performance.md, "On a GPU"): on CUDA, batch every
-# batchable model from this many clients a round, since a small client's GPU step is bound by kernel launches
-# that batching divides by the group size. benchmarks/gpu.py measures it; replace this rule with what it finds.
-AUTO_GPU_MIN_CLIENTS = 4
+# On CUDA, from benchmarks/gpu.py on an H200 (docs/performance.md, "On a GPU", sweep (e)): batched / sequential
+# speed at 2, 4, 8, 16, 32 clients a round was 0.84, 1.14, 2.17, 3.32, 3.97x for the 2NN (batch 10), 0.85, 1.28,
+# 1.77, 3.00, 3.63x for convnet (batch 64) and 1.07, 0.98, 1.69, 1.88, 2.03x for ResNet-18-GN (batch 50): from 8
+# clients every model gained at least 1.69x, below 8 none reliably (at most 1.28x, and slower for some). A small
+# client's GPU step is bound by kernel launches, which batching divides by the group size.
+AUTO_GPU_MIN_CLIENTS = 8
 
 
 def fully_connected(model: nn.Module) -> bool:
@@ -732,8 +735,9 @@ def fully_connected(model: nn.Module) -> bool:
 
 
 def batching_pays_off(flat: FlatModel, batch_size: int, clients: int, device: torch.device) -> bool:
-    """Whether the batched executor was measured to be at least ~1.3x faster than the sequential one here (CPU), or
-    is expected to be (CUDA: the provisional ``AUTO_GPU_MIN_CLIENTS`` rule). Elsewhere (MPS) "auto" stays sequential."""
+    """Whether the batched executor was measured to be at least ~1.3x faster than the sequential one here: on a CPU
+    (``AUTO_MIN_CLIENTS``, ``AUTO_MAX_WORK``) or on CUDA (``AUTO_GPU_MIN_CLIENTS``, any batchable model). Elsewhere
+    (MPS: not measured) "auto" stays sequential."""
     if device.type == "cuda":
         return clients >= AUTO_GPU_MIN_CLIENTS
     return (
