@@ -113,3 +113,23 @@ def test_unknown_command_suggests_once(args, meant):
     result = invoke(*args)
     assert result.exit_code == 2
     assert result.output.count("Did you mean") == 1 and f"'{meant}'" in result.output, result.output
+
+
+def test_help_texts_survive_rich_markup():
+    """typer renders help through rich, where "[system]" is a style tag and vanishes: every command's and option's
+    help reads the same after rendering (brackets escaped as "\\[")."""
+    import click
+    import typer
+    from rich.text import Text
+
+    def commands(cmd, path="fedhet"):
+        yield path, cmd
+        for name, sub in getattr(cmd, "commands", {}).items() if isinstance(cmd, click.Group) else ():
+            yield from commands(sub, f"{path} {name}")
+
+    lost = []
+    for path, cmd in commands(typer.main.get_command(app)):
+        for where, text in [("", cmd.help or ""), *((p.name, getattr(p, "help", None) or "") for p in cmd.params)]:
+            if Text.from_markup(text).plain != text.replace("\\[", "["):
+                lost.append(f"{path} {where}: {text}")
+    assert not lost, "\n".join(lost)

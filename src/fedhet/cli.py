@@ -356,7 +356,9 @@ def report(
     ] = None,
     x: Annotated[
         str,
-        typer.Option("--x", help="The plots' x axis: 'round', or 'sim/time' (simulated seconds, with [system])."),
+        typer.Option(
+            "--x", help="The plots' x axis: 'round', or 'sim/time' (simulated seconds, with a \\[system] section)."
+        ),
     ] = "round",
 ) -> None:
     """Summarise finished (or running) runs: a mean ± std table over seeds and accuracy-vs-round curves."""

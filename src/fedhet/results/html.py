@@ -42,6 +42,7 @@ img { max-width: 100%; } .note { color: #555; } .meta { color: #777; font-size: 
 details { margin: 0.3em 0; } summary { cursor: pointer; }
 nav a { margin-right: 0.8em; } .swatch { display: inline-block; width: 0.9em; height: 0.9em; margin-right: 0.4em;
   vertical-align: -0.1em; border-radius: 2px; } td.key { text-align: left; color: #444; }
+td.wrap { white-space: normal; }
 pre { background: #f7f7f7; padding: 0.8em; overflow-x: auto; font-size: 0.8em; }
 """
 
@@ -152,7 +153,7 @@ def settings_summary(groups: list[Group], swatches: dict[str, str]) -> str:
         section, _, name = key.partition(".")
         sections.setdefault(section, []).append(f"{name}={format_value(value)}")
     lines = "".join(
-        f"<tr><td class='key'>{escape(section)}</td><td class='key'>{escape(', '.join(items))}</td></tr>"
+        f"<tr><td class='key'>{escape(section)}</td><td class='key wrap'>{escape(', '.join(items))}</td></tr>"
         for section, items in sections.items()
     )
     out = ["<h2 id='setting'>setting</h2>"]
