@@ -3,6 +3,7 @@
 # kinds of client data. One `fedhet compare` per (seed, kind), seeds outermost so a partial table has every kind;
 # rerunning skips finished cells and continues killed ones from their last checkpoint, so it is safe to kill and
 # restart. Usage: [JOBS=N] [OUT=dir] run.sh [SEEDS] [KINDS] [-- MORE_COMPARE_OPTIONS]   e.g. run.sh "0 1 2" "iid dir0.1"
+# The noise sweep of docs/non-iid.md: run.sh 0 "noise0.5 noise1 noise2" -- --variants fedavg,fedprox,fedbn
 # Results: OUT/<kind>/<method>-s<seed> (OUT default runs/noniid-fmnist); tables.py OUT writes the table and plots.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -21,9 +22,10 @@ settings() {  # the overrides of one kind of non-IID data (fmnist.toml: an IID s
     dir0.1) echo "-s partition.name=dirichlet -s partition.alpha=0.1" ;;
     two_classes) echo "-s partition.name=k_classes -s partition.k=2" ;;
     noise) echo "-s features.name=noise -s features.sigma=0.1" ;;
+    noise[0-9]*) echo "-s features.name=noise -s features.sigma=${1#noise}" ;;  # the noise sweep: noise0.5, noise1, ...
     rotated) echo "-s features.name=rotation -s features.domains=4" ;;
     quantity) echo "-s partition.name=quantity_lognormal -s partition.sigma=1.0" ;;
-    *) echo "unknown kind $1; valid: iid dir0.5 dir0.1 two_classes noise rotated quantity" >&2; exit 2 ;;
+    *) echo "unknown kind $1; valid: iid dir0.5 dir0.1 two_classes noise rotated quantity, noise<sigma>" >&2; exit 2 ;;
   esac
 }
 

@@ -28,6 +28,9 @@ KINDS = {
     "rotated": "rotated ×4",
     "quantity": "quantity",
 }
+# the noise sweep (run.sh's noise<sigma> kinds): how strong NIID-Bench's noise must be to matter on Fashion-MNIST
+SWEEP = {"noise": 0.1, "noise0.5": 0.5, "noise1": 1.0, "noise2": 2.0}
+SWEEP_METHODS = ["fedavg", "fedprox"]
 METHODS = ["fedavg", "fedprox", "scaffold", "fednova", "feddyn", "moon", "fedbn", "fedrod"]
 PERSONAL = ["fedbn", "fedrod"]
 # FedBN's server never holds BatchNorm statistics (each client keeps its own), so its "global model" is the averaged
@@ -94,6 +97,19 @@ def table(out: Path, rounds: int, methods: list[str], **kw) -> list[str]:
     return lines
 
 
+def sweep_table(out: Path, rounds: int) -> list[str]:
+    """One row per noise level sigma (client i of N: std sigma * i / N on its inputs): FedAvg's and FedProx's global
+    accuracy (worst client's on its own noisy test data in brackets), FedBN's personalised accuracy."""
+    head = [f"{m} (worst client)" for m in SWEEP_METHODS] + ["fedbn personalised"]
+    lines = ["| σ | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+    personal = {"key": lambda r: r["personal_acc_micro"], "with_worst": False}
+    for kind, sigma in SWEEP.items():
+        cells = [cell(runs(out, kind, m), rounds) for m in SWEEP_METHODS]
+        cells.append(cell(runs(out, kind, "fedbn"), rounds, **personal))
+        lines.append(f"| {sigma:g} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def plot(out: Path, path: Path) -> None:
     """One panel per kind: the global test accuracy against rounds, mean over the seeds found, per method (FedBN,
     which has no global model, is left out)."""
@@ -140,6 +156,9 @@ def main() -> None:
     print(f"\nPersonalised accuracy (%) after {rounds} rounds (each client's own model, micro average):\n")
     personal = {"key": lambda r: r["personal_acc_micro"], "with_worst": False}
     print("\n".join(table(args.out, rounds, PERSONAL, **personal)))
+    if any((root / kind).is_dir() for root in (args.out, ARCHIVE) for kind in SWEEP if kind != "noise"):
+        print(f"\nNoise sweep: accuracy (%) after {rounds} rounds against sigma (client i of N: std sigma * i / N):\n")
+        print("\n".join(sweep_table(args.out, rounds)))
     if args.plot:
         plot(args.out, args.plot)
         print(f"\nplot: {args.plot}")
