@@ -130,3 +130,24 @@ def test_augmentation_on_a_gpu_draws_what_the_cpu_draws(name):
     gpu = augment(x.cuda(), torch.Generator().manual_seed(7))
     assert gpu.is_cuda
     torch.testing.assert_close(gpu.cpu(), cpu, rtol=0, atol=0 if "rotate" not in name else 1e-5)
+
+
+def test_to_device_queues_the_copy_without_a_host_wait():
+    """A CPU draw reaches the GPU through pinned memory: the same values, and no synchronisation on the way."""
+    import warnings
+
+    from fedhet.data.device import to_device
+
+    draw = torch.randperm(1000, generator=torch.Generator().manual_seed(0))
+    to_device(draw, "cuda")  # torch's one-time set-up (lazy CUDA state, the pinned pool) may synchronise once
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            moved = to_device(draw, "cuda")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert moved.is_cuda and torch.equal(moved.cpu(), draw)
+    assert not [w for w in caught if "synchroniz" in str(w.message)]
+    assert to_device(moved, "cuda") is moved and to_device(moved, moved.device) is moved

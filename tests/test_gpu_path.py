@@ -203,3 +203,10 @@ def test_gpu_rule_batches_from_eight_clients_for_every_model(tiny_config):
         )
     sim = Simulation(tiny_config(model={"name": "convnet", "channels": [8, 16], "hidden": 32}))
     assert not batched.batching_pays_off(sim.flat, 64, 100, cpu)  # a conv net on a CPU: measured slower
+
+
+def test_to_device_leaves_a_tensor_where_it_is_already():
+    from fedhet.data.device import to_device
+
+    t = torch.arange(5)
+    assert to_device(t, None) is t and to_device(t, "cpu") is t and to_device(t, torch.device("cpu")) is t
