@@ -99,12 +99,21 @@ def table(out: Path, rounds: int, methods: list[str], **kw) -> list[str]:
 
 def sweep_table(out: Path, rounds: int) -> list[str]:
     """One row per noise level sigma (client i of N: std sigma * i / N on its inputs): FedAvg's and FedProx's global
-    accuracy (worst client's on its own noisy test data in brackets), FedBN's personalised accuracy."""
-    head = [f"{m} (worst client)" for m in SWEEP_METHODS] + ["fedbn personalised"]
+    model on the clean test set and on the clients' own noisy test data (mean over clients, worst client in
+    brackets), and FedBN's personalised models on the clients' own data, the like-for-like comparison."""
+    head = []
+    for m in SWEEP_METHODS:
+        head += [f"{m}: clean test", f"{m}: clients' own (worst)"]
+    head.append("fedbn personalised: clients' own")
     lines = ["| σ | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+    clean = {"with_worst": False}
+    own = {"key": lambda r: r["client_acc_mean"]}
     personal = {"key": lambda r: r["personal_acc_micro"], "with_worst": False}
     for kind, sigma in SWEEP.items():
-        cells = [cell(runs(out, kind, m), rounds) for m in SWEEP_METHODS]
+        cells = []
+        for m in SWEEP_METHODS:
+            found = runs(out, kind, m)
+            cells += [cell(found, rounds, **clean), cell(found, rounds, **own)]
         cells.append(cell(runs(out, kind, "fedbn"), rounds, **personal))
         lines.append(f"| {sigma:g} | " + " | ".join(cells) + " |")
     return lines
