@@ -301,6 +301,11 @@ def flower_run(cfg, fed, device: torch.device, gpus_per_client: float) -> tuple[
     }
 
 
+def with_executor(cfg, executor: str, name: str):
+    """``cfg`` run by ``executor`` ("sequential" | "batched") under the run name ``name``."""
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"executor": executor, "name": name})})
+
+
 # ---------------------------------------------------------------------- the cases
 def cases(args) -> list[tuple[str, str, callable]]:
     device, small = torch.device(args.device), args.small
@@ -314,7 +319,7 @@ def cases(args) -> list[tuple[str, str, callable]]:
     fed = build_federation(cfg)
     a = f"(a) FedAvg convnet, {fm_what}, {per_round}/{clients} clients, E=1, B=64"
     for ex in ("sequential", "batched"):
-        c = cfg.model_copy(update={"run": cfg.run.model_copy(update={"executor": ex, "name": f"a-{ex}"})})
+        c = with_executor(cfg, ex, f"a-{ex}")
         out.append((a, ex, lambda c=c: fedhet_run(c, fed)))
     out.append((a, "bare torch", lambda: bare_torch(cfg, fed, device)))
     flower = (a, "flower", lambda: flower_run(cfg, fed, device, args.client_gpus))
@@ -334,9 +339,7 @@ def cases(args) -> list[tuple[str, str, callable]]:
         fed_b = build_federation(cfg_b)
         b = f"(b) {algo} 2NN, {fm_what}, {per_round}/{clients} clients, E={epochs}, B=10"
         for ex in ("sequential", "batched"):
-            c = cfg_b.model_copy(
-                update={"run": cfg_b.run.model_copy(update={"executor": ex, "name": f"b-{algo}-{ex}"})}
-            )
+            c = with_executor(cfg_b, ex, f"b-{algo}-{ex}")
             out.append((b, ex, lambda c=c, f=fed_b: fedhet_run(c, f)))
     # (c)
     clients, per_round, epochs = (10, 4, 1) if small else (100, 10, 5)
@@ -355,9 +358,7 @@ def cases(args) -> list[tuple[str, str, callable]]:
         fed_c = build_federation(cfg_c)
         c_name = f"(c) FedAvg ResNet-18-GN, {cf_what}, {per_round}/{clients} clients, E={epochs}, B=50"
         for ex in ("sequential", "batched"):
-            c = cfg_c.model_copy(
-                update={"run": cfg_c.run.model_copy(update={"executor": ex, "name": f"c-{prec}-{ex}"})}
-            )
+            c = with_executor(cfg_c, ex, f"c-{prec}-{ex}")
             out.append((c_name, f"{ex} {prec}", lambda c=c, f=fed_c: fedhet_run(c, f)))
     out += changed_losses(args, cf, cf_what, model_c) + sweep(args, fm, fm_what, cf, cf_what, model_c)
     return out + ([flower] if args.flower else [])  # last: Ray's start is the slowest and least predictable part
@@ -377,7 +378,7 @@ def changed_losses(args, cf: str, cf_what: str, model_c: dict) -> list[tuple[str
         fed = build_federation(cfg)
         name = f"(d) {algo} ResNet-18-GN, {cf_what}, {per_round}/{clients} clients, E={epochs}, B=50"
         for ex in ("sequential", "batched"):
-            c = cfg.model_copy(update={"run": cfg.run.model_copy(update={"executor": ex, "name": f"d-{algo}-{ex}"})})
+            c = with_executor(cfg, ex, f"d-{algo}-{ex}")
             out.append((name, ex, lambda c=c, f=fed: fedhet_run(c, f)))
     return out
 
@@ -405,7 +406,7 @@ def sweep(args, fm: str, fm_what: str, cf: str, cf_what: str, model_c: dict) -> 
             cfg = cfg0.model_copy(update={"train": cfg0.train.model_copy(update={"clients_per_round": k})})
             name = f"(e) FedAvg {label}, {what}, {k}/{cfg.partition.num_clients} clients, E=1, B={batch}"
             for ex in ("sequential", "batched"):
-                c = cfg.model_copy(update={"run": cfg.run.model_copy(update={"executor": ex, "name": f"e-{ex}"})})
+                c = with_executor(cfg, ex, f"e-{ex}")
                 out.append((name, ex, lambda c=c, f=fed: fedhet_run(c, f)))
     return out
 

@@ -201,8 +201,7 @@ def test_gpu_rule_batches_from_eight_clients_for_every_model(tiny_config):
         assert not batched.batching_pays_off(sim.flat, 64, 7, cuda) and not batched.batching_pays_off(
             sim.flat, 10, 2, cuda
         )
-    sim = Simulation(tiny_config(model={"name": "convnet", "channels": [8, 16], "hidden": 32}))
-    assert not batched.batching_pays_off(sim.flat, 64, 100, cpu)  # a conv net on a CPU: measured slower
+    assert not batched.batching_pays_off(sim.flat, 64, 100, cpu)  # the conv net (the last model) on a CPU: slower
 
 
 def test_to_device_leaves_a_tensor_where_it_is_already():

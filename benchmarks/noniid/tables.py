@@ -36,6 +36,8 @@ PERSONAL = ["fedbn", "fedrod"]
 # FedBN's server never holds BatchNorm statistics (each client keeps its own), so its "global model" is the averaged
 # weights with the initial statistics: not a model anyone uses, and its accuracy means nothing
 NO_GLOBAL_MODEL = {"fedbn": "n/a¹"}
+# a personalised method's cell: each client's own model on its own test data (micro average), no worst part
+PERSONAL_CELL = {"key": lambda r: r["personal_acc_micro"], "with_worst": False}
 ARCHIVE = Path(__file__).parent / "results"
 
 
@@ -108,13 +110,12 @@ def sweep_table(out: Path, rounds: int) -> list[str]:
     lines = ["| σ | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
     clean = {"with_worst": False}
     own = {"key": lambda r: r["client_acc_mean"]}
-    personal = {"key": lambda r: r["personal_acc_micro"], "with_worst": False}
     for kind, sigma in SWEEP.items():
         cells = []
         for m in SWEEP_METHODS:
             found = runs(out, kind, m)
             cells += [cell(found, rounds, **clean), cell(found, rounds, **own)]
-        cells.append(cell(runs(out, kind, "fedbn"), rounds, **personal))
+        cells.append(cell(runs(out, kind, "fedbn"), rounds, **PERSONAL_CELL))
         lines.append(f"| {sigma:g} | " + " | ".join(cells) + " |")
     return lines
 
@@ -163,8 +164,7 @@ def main() -> None:
     print("\n".join(table(args.out, rounds, METHODS)))
     print("\n¹ FedBN has no global model: each client keeps its BatchNorm layers; see its personalised accuracy.")
     print(f"\nPersonalised accuracy (%) after {rounds} rounds (each client's own model, micro average):\n")
-    personal = {"key": lambda r: r["personal_acc_micro"], "with_worst": False}
-    print("\n".join(table(args.out, rounds, PERSONAL, **personal)))
+    print("\n".join(table(args.out, rounds, PERSONAL, **PERSONAL_CELL)))
     if any((root / kind).is_dir() for root in (args.out, ARCHIVE) for kind in SWEEP if kind != "noise"):
         print(f"\nNoise sweep: accuracy (%) after {rounds} rounds against sigma (client i of N: std sigma * i / N):\n")
         print("\n".join(sweep_table(args.out, rounds)))

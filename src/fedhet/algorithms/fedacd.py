@@ -283,11 +283,11 @@ class FedACD(Algorithm):
         inputs = {"adjust": ctx.scratch["acd_adjust"]}
         if self.config.mixup:
             lam, perm = self.draw_mix(ctx, len(ctx.batch))
-            ctx.scratch["acd_mix"] = (lam, perm)
             # lam and 1 - lam rounded from float64 as a Python scalar would be: the products are the same
             mix = torch.tensor([lam, 1.0 - lam], dtype=ctx.data.x.dtype)
             inputs["mix"] = to_device(mix, ctx.data.x.device)
             inputs["perm"] = to_device(perm, ctx.data.x.device)
+            ctx.scratch["acd_mix"] = (lam, inputs["perm"])  # after_step's labels: the partners already on the device
         return inputs
 
     def loss(
@@ -316,7 +316,7 @@ class FedACD(Algorithm):
         labels = [(y, 1.0)]
         if self.config.mixup:
             lam, perm = ctx.scratch["acd_mix"]
-            labels = [(y, lam), (y[to_device(perm, y.device)], 1.0 - lam)]
+            labels = [(y, lam), (y[perm], 1.0 - lam)]
         accumulate(ctx.scratch["acd_sums"], ctx.scratch["acd_counts"], probs, labels)
 
     def after_local(self, ctx: ClientContext) -> Reply:
