@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -51,6 +52,28 @@ class FederatedDataset:
             num_classes=self.num_classes,
         )
         return replace(self, clients=[one], train_counts=self.train_counts.sum(axis=0, keepdims=True))
+
+    def fingerprint(self) -> str:
+        """The SHA-256 that names the data: the provenance's (the files read, or the loaded arrays; computed once as
+        they were loaded), else, for clients built by hand, a hash of every client's and the test set's tensors."""
+        if self.provenance and self.provenance.get("sha256"):
+            return str(self.provenance["sha256"])
+        digest = hashlib.sha256()
+        tensors = [t for c in self.clients for t in (c.x, c.y, c.x_test, c.y_test)] + [self.x_test, self.y_test]
+        for i, tensor in enumerate(tensors):
+            if tensor is not None:
+                flat = tensor.detach().reshape(-1).cpu().contiguous()
+                digest.update(f"{i} {flat.dtype} {tuple(tensor.shape)}\n".encode())
+                digest.update(flat.view(torch.uint8).numpy())
+        return digest.hexdigest()
+
+    def describe_source(self) -> str:
+        """Where the data came from, for a message: ``dataset 'hf' (/data/x.csv)``; a folder when several files."""
+        info = self.provenance or {}
+        source, files = info.get("source"), info.get("files") or []
+        if source and len(files) == 1 and info.get("file_count") == 1:
+            source = f"{source.rstrip('/')}/{files[0]}"
+        return f"dataset {self.name!r}" + (f" ({source})" if source else "")
 
     def label_distribution(self) -> np.ndarray:
         """Each client's training label proportions pi^m (rows sum to 1)."""

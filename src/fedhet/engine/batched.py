@@ -284,6 +284,9 @@ class BatchedExecutor:
     def state_dict(self) -> dict[str, Any]:
         return self.sequential.state_dict()
 
+    def check_state(self, state: dict[str, Any]) -> None:
+        self.sequential.check_state(state)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.sequential.load_state_dict(state)
 

@@ -156,19 +156,21 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
-def load_latest(folder: Path, use=None, check=None) -> tuple[Loaded | None, list[str]]:
+def load_latest(folder: Path, use=None, check=None, verify=None) -> tuple[Loaded | None, list[str]]:
     """The newest usable checkpoint in ``folder`` (``last.pt``, else ``prev.pt``) and why others were skipped.
 
     ``check(state)`` (optional, changing nothing) raises ``ConfigError`` for a checkpoint this run cannot continue
-    (another config, more rounds than asked). ``use(state)`` takes a checkpoint up; it may raise ``CheckpointError``,
-    having changed nothing, for one that reads fine but cannot be used (client states it names are gone or damaged:
-    the disk store verifies every file's SHA-256 first), and the next candidate is tried then.
+    (another config, more rounds than asked, another trace file, other data). ``use(state)`` takes a checkpoint up; it
+    may raise ``CheckpointError``, having changed nothing, for one that reads fine but cannot be used (client states
+    it names are gone or damaged: the disk store verifies every file's SHA-256 first), and the next candidate is tried
+    then. ``verify(state)`` raises what ``use`` would, changing nothing.
 
     The problems returned (each naming its file) are what a resume warns about: a corrupt or unusable ``last.pt``,
     or a missing one while ``prev.pt`` exists. A ``ConfigError`` is not skipped over: a ``last.pt`` this run cannot
-    continue is refused, naming it; when ``prev.pt`` passes ``check`` the message says so and that deleting a
-    ``last.pt`` copied from another run resumes from it. (Falling back silently could throw away a run's real
-    ``last.pt`` when the user, not the file, is wrong: that is the user's call.)"""
+    continue is refused, naming it; when ``prev.pt`` passes ``check`` and ``verify`` (every test that a resume from
+    it would meet) the message says so and that deleting a ``last.pt`` copied from another run resumes from it.
+    (Falling back silently could throw away a run's real ``last.pt`` when the user, not the file, is wrong: that is
+    the user's call.)"""
     problems = []
     last, prev = folder / LAST, folder / PREV
     if not last.exists() and prev.exists():
@@ -190,19 +192,23 @@ def load_latest(folder: Path, use=None, check=None) -> tuple[Loaded | None, list
         except CheckpointError as err:
             problems.append(f"{path}: {err}")
         except ConfigError as err:
-            raise _refused(path, err, problems, prev if path == last else None, check) from None
+            tests = [t for t in (check, verify) if t is not None] if path == last and check is not None else []
+            raise _refused(path, err, problems, prev, tests) from None
     return None, problems
 
 
-def _refused(path: Path, err: ConfigError, problems: list[str], prev: Path | None, check) -> ConfigError:
-    """The error for a checkpoint ``check`` refused, naming it, the problems before it and a usable ``prev``."""
+def _refused(path: Path, err: ConfigError, problems: list[str], prev: Path, tests: list) -> ConfigError:
+    """The error for a checkpoint ``check`` refused, naming it and the problems before it; ``prev`` is named as the
+    way on only when every one of ``tests`` (``check`` and ``verify``; none: no advice) passes on it, so that
+    following the advice never costs ``last.pt`` for a ``prev.pt`` that would be refused too."""
     message = f"{path}: {err}"
     if problems:
         message = f"{'; '.join(problems)}; {message}"
-    if prev is not None and check is not None and prev.exists():
+    if tests and prev.exists():
         try:
             state = read_checkpoint(prev)
-            check(state)
+            for test in tests:
+                test(state)
         except (CheckpointError, ConfigError):
             pass
         else:

@@ -168,6 +168,9 @@ class Executor(Protocol):
         """Back to a checkpoint's client-held state; raises ``CheckpointError`` (changing nothing) if it is gone."""
         ...
 
+    # Optional: ``check_state(state)`` raises what ``load_state_dict(state)`` would, changing nothing (the resume
+    # asks it of prev.pt before it advises falling back to it); an executor without it is not asked.
+
     def reset(self) -> None:
         """Forget all client-held state: the run starts from round 0."""
         ...
@@ -228,13 +231,19 @@ class LocalExecutor:
     def state_dict(self) -> dict[str, Any]:
         return {"clients": self.store.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Raise the ``CheckpointError`` that ``load_state_dict(state)`` would, changing nothing."""
         if "clients" not in state:
             raise CheckpointError(
                 f"it was written by a {state.get('kind', 'different')} run, whose client-held state is not in this "
                 "run folder; resume it the way it ran (fedhet flower simulate --resume)"
             )
-        self.store.load_state_dict(state["clients"])
+        self.store.check(state["clients"])
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "clients" not in state:
+            self.check_state(state)  # raises: its client-held state is not in this folder
+        self.store.load_state_dict(state["clients"])  # verifies the states before it changes anything
 
     def reset(self) -> None:
         self.store.clear()

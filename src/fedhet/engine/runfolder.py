@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,17 @@ from fedhet.results.store import (
     write_text_atomic,
 )
 
+
+@dataclass
+class Checks:
+    """What a checkpoint must pass before a resume takes it up, beyond the folder's own checks; neither changes
+    anything. ``check(state)`` raises ``ConfigError`` for one this run cannot continue (another trace file, other
+    data); ``verify(state)`` raises the ``CheckpointError`` that taking it up would (its client states are gone)."""
+
+    check: Callable[[dict[str, Any]], None] | None = None
+    verify: Callable[[dict[str, Any]], None] | None = None
+
+
 # errnos of a write that failed for want of space: the run stops with DiskFull and resumes once space is freed
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 LOGS = ("metrics.jsonl", "failures.jsonl", "sampling.jsonl")
@@ -63,9 +75,13 @@ class RunFolder:
         return self.path / "checkpoints"
 
     # ------------------------------------------------------------------ before training
-    def prepare(self, resume: bool, overwrite: bool, load: Callable[[dict[str, Any]], None]) -> Loaded | None:
+    def prepare(
+        self, resume: bool, overwrite: bool, load: Callable[[dict[str, Any]], None], checks: Checks | None = None
+    ) -> Loaded | None:
         """Set up the folder. Returns the checkpoint a resume continues from (``load``, which refuses changing
-        nothing, has restored its client-held state), or None for a run that starts from round 0."""
+        nothing, has restored its client-held state), or None for a run that starts from round 0. ``checks``: what
+        else a checkpoint must pass, changing nothing (``check``: ConfigError; ``verify``: what ``load`` would
+        raise), besides the config and round checks here."""
         check_run_flags(resume, overwrite)
         make_out_dir(Path(self.cfg.run.out_dir))
         existed = self.path.is_dir()
@@ -78,7 +94,7 @@ class RunFolder:
             remove_run_dir(self.path)
         if resume and existed:
             self.check_plugins()
-            loaded = self.load_checkpoint(load)
+            loaded = self.load_checkpoint(load, checks or Checks())
             if loaded is not None:
                 self.restore_metrics(loaded.state)
                 for log in LOGS[1:]:
@@ -118,11 +134,17 @@ class RunFolder:
                 "this resume ran different code"
             )
 
-    def load_checkpoint(self, load: Callable[[dict[str, Any]], None]) -> Loaded | None:
+    def load_checkpoint(self, load: Callable[[dict[str, Any]], None], checks: Checks) -> Loaded | None:
         """The newest usable checkpoint, ``load`` applied to it; None when the folder has none."""
         for folder in (self.path, self.checkpoint_dir):
             remove_temporaries(folder)
-        loaded, problems = load_latest(self.checkpoint_dir, load, check=self.check_resumable)  # check: changes nothing
+
+        def check(state: dict[str, Any]) -> None:  # changes nothing
+            self.check_resumable(state)
+            if checks.check is not None:
+                checks.check(state)
+
+        loaded, problems = load_latest(self.checkpoint_dir, load, check=check, verify=checks.verify)
         if loaded is None:
             if problems:
                 raise CheckpointError(

@@ -8,6 +8,7 @@ measures), ``health`` (whether the run trained), ``runfolder`` (the run folder's
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +27,7 @@ from fedhet.engine.evaluation import Evaluator
 from fedhet.engine.executors import build_executor, executor_kind
 from fedhet.engine.health import RunHealth, nonfinite
 from fedhet.engine.rundir import environment, usable_cores
-from fedhet.engine.runfolder import DISK_FULL, RunFolder, rounding_changes
+from fedhet.engine.runfolder import DISK_FULL, Checks, RunFolder, rounding_changes
 from fedhet.engine.sampling import ClientSampler
 from fedhet.engine.state import build_state_store
 from fedhet.engine.system import RoundPlan, SystemModel, build_system
@@ -41,10 +42,13 @@ from fedhet.engine.training import (  # noqa: F401  (the names below were this m
     share_data,
     training_federation,
 )
-from fedhet.errors import DiskFull, RunFailed
+from fedhet.errors import ConfigError, DiskFull, RunFailed
 from fedhet.naming import run_name
 from fedhet.results.store import write_json_atomic
 from fedhet.results.trackers import Trackers
+
+# the checkpoint's record of the data its rounds trained on (FederatedDataset.fingerprint)
+DATA_KEY = "data_sha256"
 
 # how the user asks to continue or replace a run folder, as messages word it (the Flower app words it its way)
 FLAGS = {"resume": "--resume", "overwrite": "--overwrite"}
@@ -246,12 +250,20 @@ class Simulation:
     def prepare_dir(self, resume: bool, overwrite: bool) -> int:
         """Set up the run folder (fresh, replaced or resumed); returns the last finished round (0 for a fresh run)."""
 
-        def load(state: dict[str, Any]) -> None:
+        def check(state: dict[str, Any]) -> None:  # refused before the folder changes, changing nothing
             if self.system is not None:
-                self.system.check_resumable(state)  # a changed trace file: refused before the folder changes
+                self.system.check_resumable(state)  # a changed trace file
+            self.check_data(state)
+
+        def verify(state: dict[str, Any]) -> None:
+            check_state = getattr(self.executor, "check_state", None)
+            if check_state is not None:
+                check_state(state["executor"])
+
+        def load(state: dict[str, Any]) -> None:
             self.executor.load_state_dict(state["executor"])  # refuses, changing nothing, if its state is gone
 
-        loaded = self.folder.prepare(resume, overwrite, load)
+        loaded = self.folder.prepare(resume, overwrite, load, Checks(check, verify))
         if self.attack is not None:  # a function of the config, rewritten on every start
             write_json_atomic(self.run_dir / "attack.json", self.attack)
         now = {**environment(), "torch_threads": self.client_threads, "workers": self.workers}
@@ -260,6 +272,12 @@ class Simulation:
             self.folder.record_environment(None, now, self.fed.provenance, [])
             return 0
         state = loaded.state
+        if DATA_KEY not in state:
+            self.warn(
+                f"{loaded.path} records no fingerprint of its data (an older fedhet wrote it): the data cannot be "
+                f"checked against the rounds before it; its next checkpoint records this data's (sha256 "
+                f"{self.data_sha256[:12]}...)"
+            )
         self.algo.load_state_dict(state["algo"])
         self.seen.update(state["seen"])
         self.evaluator.ema = state["ema"]
@@ -273,6 +291,22 @@ class Simulation:
         changes = rounding_changes(state, self.client_threads, self.executor_kind)
         self.folder.record_environment(state["round"], now, self.fed.provenance, changes)
         return state["round"]
+
+    @functools.cached_property
+    def data_sha256(self) -> str:
+        """The fingerprint of the data the run trains on (``FederatedDataset.fingerprint``): once per process."""
+        return self.eval_fed.fingerprint()
+
+    def check_data(self, state: dict[str, Any]) -> None:
+        """Refuse (changing nothing) a checkpoint whose rounds trained on other data than this run has loaded:
+        the remaining rounds would train on the new data. A checkpoint from before fingerprints passes (with a
+        warning once it is taken up)."""
+        before, now = state.get(DATA_KEY), self.data_sha256
+        if before is not None and before != now:
+            raise ConfigError(
+                f"{self.eval_fed.describe_source()} has changed since the run was checkpointed (sha256 {before[:12]}"
+                f"..., now {now[:12]}...); put the original data back or start a new run"
+            )
 
     def save_checkpoint(self, rnd: int, wall: float) -> None:
         state = {
@@ -289,6 +323,7 @@ class Simulation:
             "torch_threads": self.client_threads,
             "executor_kind": self.executor_kind,
             "config": self.resolved,
+            DATA_KEY: self.data_sha256,
         }
         bad = nonfinite(state["algo"])
         if bad:

@@ -75,6 +75,9 @@ class MemoryStateStore:
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "memory", "states": self._states}
 
+    def check(self, saved: dict[str, Any]) -> None:
+        """Nothing to verify: the checkpoint holds the states themselves."""
+
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.clear()
         for cid, state in saved["states"].items():
@@ -214,6 +217,9 @@ class AutoStateStore:
 
     def state_dict(self) -> dict[str, Any]:
         return self.store.state_dict()
+
+    def check(self, saved: dict[str, Any]) -> None:
+        self.disk.check(saved)  # a memory checkpoint holds its states: nothing to verify
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         if saved["kind"] == "disk":
