@@ -95,7 +95,7 @@ def test_fedbn_global_model_cells_are_marked_and_explained(tmp_path):
         env=WIDE,
     )
     assert result.exit_code == 0, result.output
-    note = f"{GLOBAL_MARK} not a global model (fedbn: each client keeps its own BatchNorm layers"
+    note = f"{GLOBAL_MARK} not a global model. fedbn: each client keeps its own BatchNorm layers"
     assert f"10.00 {GLOBAL_MARK}" in result.output and note in " ".join(result.output.split())
     markdown = (tmp_path / "t.md").read_text()
     assert f"| 10.00 {GLOBAL_MARK} |" in markdown and f"\n{note}" in markdown

@@ -558,7 +558,7 @@ def global_model_note(rows: list[Row], metric: str | None = None) -> str | None:
         return None
     keeps = "; ".join(f"{name}: each client keeps {NO_GLOBAL_MODEL[name]}" for name in methods)
     return (
-        f"{GLOBAL_MARK} not a global model ({keeps}). The server's model is the averaged layers with the kept layers "
+        f"{GLOBAL_MARK} not a global model. {keeps}. The server's model is the averaged layers with the kept layers "
         "at their initial values, a model no client uses, so the marked global-model numbers are a diagnostic; "
         "the method's result is its personalised accuracy (the personal acc columns, with local test splits: "
         "partition.local_test_fraction or partition.local_test)."
