@@ -6,6 +6,8 @@ name plus the settings that tell the groups apart (`fedprox mu=0.1`). Groups com
 plots, the HTML page, `compare` and `report`): by setting, then method family, then method (`group_order`).
 Standard deviations are over seeds, with Bessel's correction (ddof=1), shown for every measured column with two or
 more seeds and left out for a single seed; count columns (clients never sampled) show their range instead.
+A metric no run recorded is refused (``check_metric``); the global-model cells of a method whose server model no
+client uses (``NO_GLOBAL_MODEL``: FedBN, FedPer) are marked and explained under the table (``table_notes``).
 """
 
 from __future__ import annotations
