@@ -325,13 +325,15 @@ def _one_or_many(many: Any, one: Any, many_name: str, one_name: str) -> Any:
 def report(runs: RunResult | str | Path | Iterable[RunResult | str | Path], metric: str = "test_acc") -> list[Row]:
     """One row per setting (runs that differ only in seed form one): mean ± std of the final ``metric`` over seeds,
     best, fairness and personalisation columns; the table ``fedhet report`` prints."""
-    from fedhet.results.report import group_runs, load_runs, summary_table
+    from fedhet.results.report import check_metric, group_runs, load_runs, summary_table
 
     items = [runs] if isinstance(runs, RunResult | str | Path) else list(runs)
     paths = [r.run_dir if isinstance(r, RunResult) else Path(r) for r in items]
     if not paths:
         raise ConfigError("report: no runs given")
-    return summary_table(group_runs(load_runs(paths)), metric=metric)
+    loaded = load_runs(paths)
+    check_metric(loaded, metric)
+    return summary_table(group_runs(loaded), metric=metric)
 
 
 def records_dataframe(results: Iterable[RunResult]) -> pandas.DataFrame:

@@ -366,7 +366,15 @@ def report(
     from fedhet.paths import check_folder, check_output_file
     from fedhet.results.html import write_html
     from fedhet.results.plots import PANELS, X_LABELS, plot_curves
-    from fedhet.results.report import group_runs, load_runs, partition_note, print_table, summary_table, to_markdown
+    from fedhet.results.report import (
+        check_metric,
+        group_runs,
+        load_runs,
+        print_table,
+        summary_table,
+        table_notes,
+        to_markdown,
+    )
 
     if panels not in (None, *PANELS):
         raise ConfigError(f"unknown --panels {panels!r}; choose one of: {', '.join(PANELS)}")
@@ -385,14 +393,15 @@ def report(
     loaded = load_runs(runs, lambda text: print_warning(err_console, text))  # a torn line: one warning: line
     if not loaded:
         raise ConfigError(f"no run folders (with config.json and metrics.jsonl) under {', '.join(map(str, runs))}")
+    check_metric(loaded, metric)
     groups = group_runs(loaded)
     rows = summary_table(groups, metric=metric)
-    note = partition_note(groups)
+    notes = table_notes(groups, rows)
     print_table(rows, console)
-    if note:
-        console.print(note)
+    for note in notes:
+        console.print(escape(note))
     if markdown:
-        markdown.write_text(to_markdown(rows) + (f"\n{note}\n" if note else "") + "\n")
+        markdown.write_text(to_markdown(rows, notes) + "\n")
         console.print(f"markdown: {markdown}")
     if plot:
         console.print(f"plot: {plot_curves(groups, plot, metric=metric, smooth=smooth, panels=panels, x=x)}")

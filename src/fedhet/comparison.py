@@ -463,17 +463,17 @@ def run_comparison(
 def tabulate(run_dirs: list[Path], out_dir: Path, console: Console, show: bool = True) -> None:
     """comparison.md and comparison.png in ``out_dir``; the table is printed when ``show``."""
     from fedhet.results.plots import plot_curves
-    from fedhet.results.report import group_runs, load_runs, partition_note, print_table, summary_table, to_markdown
+    from fedhet.results.report import group_runs, load_runs, print_table, summary_table, table_notes, to_markdown
 
     groups = group_runs(load_runs(run_dirs))
     rows = summary_table(groups, metric="test_acc")
-    note = partition_note(groups)
-    (out_dir / "comparison.md").write_text(to_markdown(rows) + (f"\n{note}\n" if note else "") + "\n")
+    notes = table_notes(groups, rows)
+    (out_dir / "comparison.md").write_text(to_markdown(rows, notes) + "\n")
     # more methods than one axes shows legibly: one panel per method family (fedhet report --panels family)
     panels = "family" if len(groups) > PANEL_ABOVE else None
     plot = plot_curves(groups, out_dir / "comparison.png", metric="test_acc", panels=panels)
     if show:
         print_table(rows, console)
-        if note:
+        for note in notes:
             console.print(escape(note))
         console.print(escape(f"table: {out_dir / 'comparison.md'}\nplot:  {plot}"))

@@ -53,7 +53,7 @@ class Checks:
 
 # errnos of a write that failed for want of space: the run stops with DiskFull and resumes once space is freed
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-LOGS = ("metrics.jsonl", "failures.jsonl", "sampling.jsonl")
+LOGS = ("metrics.jsonl", "failures.jsonl", "sampling.jsonl", "clients.jsonl")
 
 
 class RunFolder:
@@ -67,6 +67,7 @@ class RunFolder:
         self.metrics_lines: list[str] = []  # metrics.jsonl as written, kept in the checkpoint to check it at resume
         self.metrics_log: MetricsLog | None = None
         self.failures_log: MetricsLog | None = None
+        self.clients_log: MetricsLog | None = None  # clients.jsonl: each round's sampled clients
         self.lock: FileLock | None = None
         self._said: set[str] = set()  # warnings given: a torn log line is met by every read of the file
 
@@ -268,6 +269,11 @@ class RunFolder:
     def open_logs(self) -> None:
         self.metrics_log = MetricsLog(self.path / "metrics.jsonl", self.warn_once)
         self.failures_log = MetricsLog(self.path / "failures.jsonl", self.warn_once)
+        self.clients_log = MetricsLog(self.path / "clients.jsonl", self.warn_once)
+
+    def log_clients(self, record: dict[str, Any]) -> None:
+        """A round's line of clients.jsonl (cut back to the checkpoint's round on resume, so each round has one)."""
+        self.clients_log.append(record)
 
     def log_metrics(self, record: dict[str, Any]) -> None:
         self.metrics_lines.append(self.metrics_log.append(record))

@@ -166,6 +166,7 @@ class Simulation:
         """Every phase of round ``rnd``; raises ``RunFailed`` when the run cannot go on."""
         self.plan = self.system.plan(rnd, self.sampler.sample) if self.system is not None else None
         cids = self.plan.participants if self.plan is not None else self.sampler.sample(rnd)
+        self.folder.log_clients(self.plan.record() if self.plan is not None else {"round": rnd, "sampled": cids})
         budgets = self.plan.budgets() if self.plan is not None else {}
         empty: list[str] = []  # the phases that lost every client
         for phase_idx, phase in enumerate(self.algo.phases):
@@ -266,6 +267,8 @@ class Simulation:
         loaded = self.folder.prepare(resume, overwrite, load, Checks(check, verify))
         if self.attack is not None:  # a function of the config, rewritten on every start
             write_json_atomic(self.run_dir / "attack.json", self.attack)
+        if self.system is not None:  # so is this (a trace that changed was refused above)
+            write_json_atomic(self.run_dir / "system_profiles.json", self.system.describe())
         now = {**environment(), "torch_threads": self.client_threads, "workers": self.workers}
         if loaded is None:
             self.executor.reset()  # a fresh run sees the client states of round 0: none, whatever a crash left

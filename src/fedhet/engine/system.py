@@ -209,6 +209,29 @@ class RoundPlan:
         """client -> local steps, for each participant that trains fewer than its full count."""
         return {c.cid: c.steps for c in self.clients if c.status == KEPT and c.steps < c.full}
 
+    def record(self) -> dict[str, Any]:
+        """The round's line in clients.jsonl: who was sampled, how many were online, when the round started and how
+        long it lasted, and each sampled client's plan (its steps, full count, straggler draw, reply's arrival in
+        seconds after the start, and what happened to it), from which ``metrics`` can be recomputed."""
+        return {
+            "round": self.round,
+            "sampled": [c.cid for c in self.clients],
+            "online": self.online,
+            "start": self.start,
+            "duration": self.duration,
+            "clients": [
+                {
+                    "client": c.cid,
+                    "steps": c.steps,
+                    "full": c.full,
+                    "straggler": c.straggler,
+                    "arrival": c.arrival,
+                    "status": c.status,
+                }
+                for c in self.clients
+            ],
+        }
+
     def metrics(self) -> dict[str, Any]:
         count = {s: sum(c.status == s for c in self.clients) for s in (KEPT, STRAGGLER, LATE, FAILED, SURPLUS)}
         return {
@@ -233,7 +256,7 @@ class SystemModel:
 
     def __init__(self, cfg: Config, sizes: list[int], model_bytes: int, phases: int = 1) -> None:
         self.cfg, self.system, self.sizes = cfg, cfg.system, sizes
-        self.seed = cfg.run.seed
+        self.seed, self.model_bytes, self.phases = cfg.run.seed, model_bytes, phases
         self.profiles = draw_profiles(cfg.system, len(sizes), self.seed)
         t = cfg.train
         self.full = [num_local_steps(n, t.batch_size, t.local_epochs, t.local_steps) for n in sizes]
@@ -351,6 +374,37 @@ class SystemModel:
     def finish(self, plan: RoundPlan) -> None:
         """The round is over: the clock moves on by its duration."""
         self.time = plan.start + plan.duration
+
+    def describe(self) -> dict[str, Any]:
+        """system_profiles.json: what the clock of every round is computed from, beside each round's plan in
+        clients.jsonl. Per client: its training samples, full local steps, speed (samples/s), bandwidth (bytes/s
+        each way), and where drawn its availability (trace) or its place in the day at time 0 (daily)."""
+        profiles, availability = self.profiles, self.system.availability
+        clients = []
+        for cid, samples in enumerate(self.sizes):
+            client = {
+                "client": cid,
+                "samples": samples,
+                "full_steps": self.full[cid],
+                "speed": float(profiles.speed[cid]),
+                "bandwidth": float(profiles.bandwidth[cid]),
+            }
+            if profiles.availability is not None:
+                client["availability"] = float(profiles.availability[cid])
+            if availability == "daily":
+                client["day_offset"] = float(self.day_offsets[cid])
+            clients.append(client)
+        return {
+            "profiles": self.system.profiles,
+            **({"trace_sha256": profiles.trace_sha256} if profiles.trace_sha256 else {}),
+            "clients_per_round": self.cfg.clients_per_round(),
+            "batch_size": self.cfg.train.batch_size,
+            "model_bytes": self.model_bytes,
+            "phases": self.phases,
+            "latency": self.system.latency,
+            "deadline": self.system.deadline,
+            "clients": clients,
+        }
 
     # ------------------------------------------------------------------ messages and checkpoints
     @staticmethod

@@ -23,6 +23,8 @@ from fedhet.results.report import (
     differing_keys,
     fmt,
     format_value,
+    global_model_note,
+    marked,
     partition_note,
     summary_table,
     table_cells,
@@ -74,10 +76,11 @@ def write_html(
         sections.append(
             f"<h2 id='{anchor(metric)}'>{escape(METRIC_LABELS.get(metric, metric))} ({escape(metric)})</h2>"
         )
-        # the chosen metric's table has every column; the others' the columns that depend on the metric
+        # the chosen metric's table has every column (the global model's among them); the others' the columns that
+        # depend on the metric
         sections.append(html_table(groups, metric, swatches) if i == 0 else metric_table(groups, metric, swatches))
-        if note:
-            sections.append(f"<p class='note'>{escape(note)}</p>")
+        marks = global_model_note(summary_table(groups, metric=metric), None if i == 0 else metric)
+        sections += [f"<p class='note'>{escape(text)}</p>" for text in (marks, note) if text]
         sections.append(curves_image(groups, metric, smooth, panels, x))
     sections.append("<h2 id='runs'>runs</h2>")
     sections += [run_details(group) for group in groups]
@@ -129,8 +132,8 @@ def metric_table(groups: list[Group], metric: str, swatches: dict[str, str]) -> 
         [
             r.label,
             str(r.seeds),
-            fmt(r.final_mean, r.final_std, metric=metric),
-            fmt(r.best_mean, r.best_std, metric=metric),
+            marked(fmt(r.final_mean, r.final_std, metric=metric), r, metric),
+            marked(fmt(r.best_mean, r.best_std, metric=metric), r, metric),
         ]
         for r in rows
     ]

@@ -41,6 +41,7 @@ METRIC_LABELS = {
     "local_kl": "local models' KL(P || Q)",
     "client_acc_mean": "mean client accuracy",
     "client_acc_worst10": "worst-10% client accuracy",
+    "test_acc/domain/worst": "worst-domain accuracy",
     "personal_acc_macro": "personalised accuracy (macro)",
     "personal_acc_micro": "personalised accuracy (micro)",
     "train_loss": "training loss",

@@ -6,6 +6,8 @@ name plus the settings that tell the groups apart (`fedprox mu=0.1`). Groups com
 plots, the HTML page, `compare` and `report`): by setting, then method family, then method (`group_order`).
 Standard deviations are over seeds, with Bessel's correction (ddof=1), shown for every measured column with two or
 more seeds and left out for a single seed; count columns (clients never sampled) show their range instead.
+A metric no run recorded is refused (``check_metric``); the global-model cells of a method whose server model no
+client uses (``NO_GLOBAL_MODEL``: FedBN, FedPer) are marked and explained under the table (``table_notes``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from fedhet.errors import FedhetError
+from fedhet.errors import ConfigError, FedhetError
 from fedhet.results.store import Warn, read_json, read_metrics
 
 # where a run is: its folder and plug-in paths (where the code is, not a setting)
@@ -56,6 +58,17 @@ FAMILIES = {
     ),
 }  # fmt: skip
 MISSING = "—"
+# Methods whose server model is no model any client uses: the shared layers averaged, with the layers each client
+# keeps at their initial values. Their global-model cells are marked (GLOBAL_MARK) and explained under the table
+# (global_model_note); their result is the personalised accuracy. Each reason completes "each client keeps ...".
+NO_GLOBAL_MODEL = {
+    "fedbn": "its own BatchNorm layers (parameters and statistics)",
+    "fedper": "its own personalisation layers",
+}
+GLOBAL_MARK = "†"
+# Under a feature skew with domains, each domain's accuracy of the global model and the worst of them
+DOMAIN_PREFIX = "test_acc/domain/"
+WORST_DOMAIN = DOMAIN_PREFIX + "worst"
 
 
 @dataclass
@@ -112,6 +125,7 @@ class Row:
     client_dist_acc_std: float | None = None
     client_acc_worst10_std: float | None = None
     personal_acc_macro_std: float | None = None
+    no_global_model: str | None = None  # the algorithm, when it is one of NO_GLOBAL_MODEL
 
 
 # Personalised and fairness metrics shown as extra columns when some run recorded them. Personalisation that
@@ -131,6 +145,28 @@ OPTIONAL_COLUMNS = {
 }
 # Counts of clients, not measurements: shown as a whole number, or the range over seeds ("0–3"), never "0 ± 0".
 COUNT_COLUMNS = ("personal_never_sampled",)
+
+
+def global_model_metric(metric: str) -> bool:
+    """Whether ``metric`` scores the server's model (on the global test set, its domains, the clients'
+    distributions and data, a backdoor), not personalised, local or client-reported models."""
+    scored = ("test_acc", "test_loss", "test_acc_ema", "client_dist_acc", "client_dist_acc_sampled", "attack/asr")
+    return metric in scored or metric.startswith(("client_acc_", "acc_smallest", "acc_largest", DOMAIN_PREFIX))
+
+
+def domain_metrics(runs: list[Run]) -> list[str]:
+    """The per-domain accuracies some run recorded, in the order recorded, with the worst domain's last."""
+    keys = [k for k in recorded_metrics(runs) if k.startswith(DOMAIN_PREFIX)]
+    return [k for k in keys if k != WORST_DOMAIN] + [k for k in keys if k == WORST_DOMAIN]
+
+
+def column_name(metric: str) -> str:
+    """A table column's header for an optional or a per-domain metric."""
+    if metric == WORST_DOMAIN:
+        return "worst domain acc"
+    if metric.startswith(DOMAIN_PREFIX):
+        return f"acc domain {metric.removeprefix(DOMAIN_PREFIX)}"
+    return OPTIONAL_COLUMNS[metric]
 
 
 def lower_is_better(metric: str) -> bool:
@@ -161,6 +197,21 @@ def load_run(folder: Path, warn: Warn = None) -> Run:
     summary_path = folder / "summary.json"
     summary = read_json(summary_path, dict) if summary_path.exists() else {}
     return Run(folder, read_json(folder / "config.json", dict), read_metrics(folder / "metrics.jsonl", warn), summary)
+
+
+def recorded_metrics(runs: list[Run]) -> list[str]:
+    """Every metric some run recorded (a key of its records other than ``round``), in the order first met."""
+    keys = dict.fromkeys(key for run in runs for record in run.metrics for key in record)
+    keys.pop("round", None)
+    return list(keys)
+
+
+def check_metric(runs: list[Run], metric: str) -> None:
+    """Refuse ``metric`` when the runs recorded metrics and none of them is ``metric``: a typo would otherwise give
+    a table of dashes. Runs with no record yet (just started) refuse nothing."""
+    recorded = recorded_metrics(runs)
+    if recorded and metric not in recorded:
+        raise ConfigError(f"no run recorded the metric {metric!r}; the runs recorded: {', '.join(recorded)}")
 
 
 def flatten(config: dict, prefix: str = "") -> dict[str, Any]:
@@ -411,6 +462,7 @@ def summary_row(group: Group, metric: str) -> Row:
     worst, worst_std = mean_std([r.final("client_acc_worst10") for r in runs])
     personal, personal_std = mean_std([r.final("personal_acc_macro") for r in runs])
     rounds = [r.last_round for r in runs]
+    algorithm = str(group.settings.get("algorithm.name", ""))
     return Row(
         label=group.label,
         metric=metric,
@@ -424,7 +476,7 @@ def summary_row(group: Group, metric: str) -> Row:
         rounds=(min(rounds), max(rounds)),
         extras={
             key: (value_range if key in COUNT_COLUMNS else mean_std)([r.final(key) for r in runs])
-            for key in OPTIONAL_COLUMNS
+            for key in [*OPTIONAL_COLUMNS, *domain_metrics(runs)]
         },
         empty_rounds=sum(int(r.summary.get("empty_rounds") or 0) for r in runs),
         failed=sum(r.summary.get("status") == "failed" for r in runs),
@@ -432,6 +484,7 @@ def summary_row(group: Group, metric: str) -> Row:
         client_dist_acc_std=dist_std,
         client_acc_worst10_std=worst_std,
         personal_acc_macro_std=personal_std,
+        no_global_model=algorithm if algorithm in NO_GLOBAL_MODEL else None,
     )
 
 
@@ -456,11 +509,15 @@ def table_cells(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
     """Header and formatted cells shared by the rich and markdown renderings."""
     metric = rows[0].metric if rows else "test_acc"
     header = ["run", "seeds", f"final {metric}", f"best {metric}", "client-dist acc", "worst-10% acc"]
+    recorded = [k for r in rows for k, v in r.extras.items() if v[0] is not None]
+    domains = [k for k in dict.fromkeys(recorded) if k.startswith(DOMAIN_PREFIX)]
+    domains = [k for k in domains if k != WORST_DOMAIN] + [k for k in domains if k == WORST_DOMAIN]
     personal = any(r.personal_acc_macro is not None for r in rows)
     if personal:
         header.append("personal acc (macro)")
-    extras = [k for k in OPTIONAL_COLUMNS if any(r.extras.get(k, (None,))[0] is not None for r in rows)]
-    header += [OPTIONAL_COLUMNS[k] for k in extras]
+    extras = [k for k in OPTIONAL_COLUMNS if k in recorded]
+    header[6:6] = [column_name(k) for k in domains]  # the global model's columns together
+    header += [column_name(k) for k in extras]
     header.append("rounds")
     # how far to trust a row: shown only where some run lost rounds or failed
     trouble = [
@@ -471,19 +528,48 @@ def table_cells(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
     header += trouble
     cells = []
     for r in rows:
-        line = [r.label, str(r.seeds), fmt(r.final_mean, r.final_std, metric=metric)]
-        line += [fmt(r.best_mean, r.best_std, metric=metric)]
-        line += [fmt(r.client_dist_acc, r.client_dist_acc_std, metric="acc")]
-        line += [fmt(r.client_acc_worst10, r.client_acc_worst10_std, metric="acc")]
+        line = [r.label, str(r.seeds), marked(fmt(r.final_mean, r.final_std, metric=metric), r, metric)]
+        line += [marked(fmt(r.best_mean, r.best_std, metric=metric), r, metric)]
+        line += [marked(fmt(r.client_dist_acc, r.client_dist_acc_std, metric="acc"), r, "client_dist_acc")]
+        line += [marked(fmt(r.client_acc_worst10, r.client_acc_worst10_std, metric="acc"), r, "client_acc_worst10")]
+        line += [marked(fmt(*r.extras.get(k, (None, None)), metric=k), r, k) for k in domains]
         if personal:
             line.append(fmt(r.personal_acc_macro, r.personal_acc_macro_std, metric="acc"))
         for k in extras:
             value = r.extras.get(k, (None, None))
-            line.append(fmt_range(*value) if k in COUNT_COLUMNS else fmt(*value, metric=k))
+            line.append(fmt_range(*value) if k in COUNT_COLUMNS else marked(fmt(*value, metric=k), r, k))
         line.append(fmt_range(*r.rounds))
         line += [str(r.empty_rounds if name == "empty rounds" else r.failed) for name in trouble]
         cells.append(line)
     return header, cells
+
+
+def marked(text: str, row: Row, metric: str) -> str:
+    """A cell of a global-model metric in the row of a method without a global model, marked GLOBAL_MARK."""
+    if row.no_global_model and text != MISSING and global_model_metric(metric):
+        return f"{text} {GLOBAL_MARK}"
+    return text
+
+
+def global_model_note(rows: list[Row], metric: str | None = None) -> str | None:
+    """The footnote of the marked cells: which methods have no global model, what their global-model numbers score
+    instead, and where their result is. None without such a row (or when ``metric``, a table's only metric, does
+    not score the global model)."""
+    methods = list(dict.fromkeys(r.no_global_model for r in rows if r.no_global_model))
+    if not methods or (metric is not None and not global_model_metric(metric)):
+        return None
+    keeps = "; ".join(f"{name}: each client keeps {NO_GLOBAL_MODEL[name]}" for name in methods)
+    return (
+        f"{GLOBAL_MARK} not a global model. {keeps}. The server's model is the averaged layers with the kept layers "
+        "at their initial values, a model no client uses, so the marked global-model numbers are a diagnostic; "
+        "the method's result is its personalised accuracy (the personal acc columns, with local test splits: "
+        "partition.local_test_fraction or partition.local_test)."
+    )
+
+
+def table_notes(groups: list[Group], rows: list[Row]) -> list[str]:
+    """The notes under a table: the marked cells' footnote, then which partitions the seeds had."""
+    return [note for note in (global_model_note(rows), partition_note(groups)) if note]
 
 
 def fmt(value: float | None, std: float | None = None, *, metric: str) -> str:
@@ -519,8 +605,9 @@ def print_table(rows: list[Row], console: Console | None = None, title: str | No
     (console or Console()).print(table, crop=False)
 
 
-def to_markdown(rows: list[Row]) -> str:
+def to_markdown(rows: list[Row], notes: list[str] | None = None) -> str:
+    """The table in Markdown, each of ``notes`` a paragraph under it."""
     header, cells = table_cells(rows)
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|"]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in line) + " |" for line in cells]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + "".join(f"\n{note}\n" for note in notes or [])
