@@ -247,6 +247,10 @@ class PartitionSection(_Component):
     num_clients: int = Field(20, ge=1)  # clients the training set is split across
     seed: Seed | None = None  # default: run.seed
     local_test_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # FedRANE 0.25, FedBC 0.2
+    # validation data: this fraction of each client's training share (after its local test split) is held out, never
+    # trained on, and the global model is scored on it at every evaluation (val_acc, val_loss, val_client_acc_*):
+    # what tuning reads instead of the test set (docs/tuning.md); 0 = none
+    validation_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     # where a client's local test data come from: "split" = local_test_fraction of its own training data; "matched"
     # = the official test set dealt to clients like their training data (each class in proportion to the training
     # samples of it they hold; per-class shards get the same shards of the test set: FedUFO, notes/fedufo.md
