@@ -13,7 +13,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -187,6 +187,15 @@ class TrainSection(_Strict):
     # re-measure every N rounds (reading 11: every round, or every run.eval_every rounds); the values are
     # checkpointed, so a resumed run samples what the uninterrupted one does
     sampling_refresh: int = Field(1, ge=1)
+    # opt-in for tuning (-t train.lr, or -t train.lr=RANGE; docs/tuning.md); sensible defaults: lr over the usual
+    # FL grid 1e-3..0.3, momentum up to 0.95, 1-10 local epochs (FedBC E in {1, 5, 10}), 1-100 steps, L2 decay
+    tunable: ClassVar[dict[str, str]] = {
+        "lr": "log:1e-3:0.3",
+        "momentum": "uniform:0:0.95",
+        "local_epochs": "int:1:10",
+        "local_steps": "int:1:100:log",
+        "weight_decay": "log:1e-5:1e-2",
+    }
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> TrainSection:
