@@ -299,7 +299,8 @@ def test_nesterov_needs_momentum():
         (
             ["partition.num_client=5"],
             "unknown key 'partition.num_client' for partitioner 'dirichlet'; valid keys in [partition]: name, "
-            "num_clients, seed, local_test_fraction, local_test, merge_test, alpha, min_size, max_tries",
+            "num_clients, seed, local_test_fraction, validation_fraction, local_test, merge_test, alpha, min_size, "
+            "max_tries",
         ),
         (["algorithm.foo=1"], "unknown key 'algorithm.foo' for algorithm 'fedavg'; valid keys in [algorithm]: name,"),
         (

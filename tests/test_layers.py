@@ -28,8 +28,8 @@ LAYERS = (
     {"algorithms"},  # the contract, the shared local loop, one file per algorithm
     {"components"},  # the config sections that pick a registered component, with their registries
     # the round loop and its parts; the run folder's name (its hash resolves every component, an old folder is
-    # compared as a resume would)
-    {"engine", "naming"},
+    # compared as a resume would); search spaces (tuning: checked against the config as a run resolves it)
+    {"engine", "naming", "tuning"},
     {"flower"},  # the same round loop over Flower messages
     # what a user calls: the CLI (fedhet flower ... too), the Python API, many runs at once, the settings reference,
     # the package's lazy names

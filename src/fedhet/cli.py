@@ -493,6 +493,10 @@ def list_cmd(
         extra = {"models": "fits datasets", "datasets": "default model"}.get(kind)
         if extra:
             table.add_column(extra)
+        tuned = kind in ("algorithms", "servers")  # the search space each declares (docs/tuning.md)
+        if tuned:
+            table.add_column("tunable (default range)" if kind == "algorithms" else "tunable, opt-in (default range)")
+            table.caption = _tuning_caption(kind)
         for e in registry.entries():
             params = ""
             if e.params is not None:
@@ -501,8 +505,23 @@ def list_cmd(
                     f"{k} (required)" if f.is_required() else f"{k}={f.get_default(call_default_factory=True)!r}"
                     for k, f in fields
                 )
-            table.add_row(e.name, e.summary, params, *([_fit_text(kind, e.name)] if extra else []))
+            cells = [_fit_text(kind, e.name)] if extra else []
+            if tuned:
+                space = e.params.tunable if e.params is not None else {}
+                cells.append(", ".join(f"{k}={v}" for k, v in space.items()) or "(none)")
+            table.add_row(e.name, e.summary, params, *cells)
         console.print(table)
+
+
+def _tuning_caption(kind: str) -> str:
+    """What the tunable column means: an algorithm's ranges are its default search space; the shared ones join
+    only when named (-t train.lr)."""
+    from fedhet.config import TrainSection
+
+    if kind == "servers":
+        return "server.<p> joins a search space only when named: -t server.lr (docs/tuning.md)"
+    shared = ", ".join(f"train.{k}={v}" for k, v in TrainSection.tunable.items())
+    return f"an algorithm's tunable parameters are its default search space; opt-in with -t: {shared} (docs/tuning.md)"
 
 
 def _fit_text(kind: str, name: str) -> str:

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -187,6 +187,15 @@ class TrainSection(_Strict):
     # re-measure every N rounds (reading 11: every round, or every run.eval_every rounds); the values are
     # checkpointed, so a resumed run samples what the uninterrupted one does
     sampling_refresh: int = Field(1, ge=1)
+    # opt-in for tuning (-t train.lr, or -t train.lr=RANGE; docs/tuning.md); sensible defaults: lr over the usual
+    # FL grid 1e-3..0.3, momentum up to 0.95, 1-10 local epochs (FedBC E in {1, 5, 10}), 1-100 steps, L2 decay
+    tunable: ClassVar[dict[str, str]] = {
+        "lr": "log:1e-3:0.3",
+        "momentum": "uniform:0:0.95",
+        "local_epochs": "int:1:10",
+        "local_steps": "int:1:100:log",
+        "weight_decay": "log:1e-5:1e-2",
+    }
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> TrainSection:
@@ -247,6 +256,10 @@ class PartitionSection(_Component):
     num_clients: int = Field(20, ge=1)  # clients the training set is split across
     seed: Seed | None = None  # default: run.seed
     local_test_fraction: float = Field(0.0, ge=0.0, lt=1.0)  # FedRANE 0.25, FedBC 0.2
+    # validation data: this fraction of each client's training share (after its local test split) is held out, never
+    # trained on, and the global model is scored on it at every evaluation (val_acc, val_loss, val_client_acc_*):
+    # what tuning reads instead of the test set (docs/tuning.md); 0 = none
+    validation_fraction: float = Field(0.0, ge=0.0, lt=1.0)
     # where a client's local test data come from: "split" = local_test_fraction of its own training data; "matched"
     # = the official test set dealt to clients like their training data (each class in proportion to the training
     # samples of it they hold; per-class shards get the same shards of the test set: FedUFO, notes/fedufo.md

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import types
 import typing
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import ErrorDetails
@@ -24,6 +24,10 @@ Seed = typing.Annotated[int, Field(ge=0)]  # numpy's generators take any non-neg
 
 class Params(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # The parameters a tuner may search and their default ranges, ``{"mu": "log:1e-3:1"}``, in the grammar of
+    # fedhet.tuning.space (docs/tuning.md, "Search spaces"); each entry commented with its source. Empty: nothing
+    # of this model is tuned. A subclass that adds one extends its parent's: ``{**Parent.tunable, ...}``.
+    tunable: ClassVar[dict[str, str]] = {}
 
     @field_validator("*", mode="before")
     @classmethod

@@ -78,7 +78,7 @@ Differences from the official code, all deliberate:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +102,8 @@ class APPLEConfig(FedAvgConfig):
     decay_rounds: int = Field(16, ge=1)
     dr_lr: float = Field(0.001, gt=0.0)  # learning rate of p: official --lr_coef 0.001
     dr_momentum: float = Field(0.9, ge=0.0, lt=1.0)  # p's SGD momentum: official optimiser momentum 0.9
+    # sensible defaults: decades around the official mu = 0.1 and lr_coef = 0.001
+    tunable: ClassVar[dict[str, str]] = {"mu": "log:1e-2:1", "dr_lr": "log:1e-4:1e-2"}
     # "shared": every core starts from the global initial model (PFLlib, FedRANE's code base: deepcopies of the
     # global model); "independent": each from its own random initialisation (official: one Net per client). See the
     # module docstring for why "shared" is the default.

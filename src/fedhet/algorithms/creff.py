@@ -49,7 +49,7 @@ Where this differs from the official code, and why:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -71,6 +71,8 @@ class CReFFConfig(FedAvgConfig):
     lr_feature: float = Field(0.1, gt=0.0)  # options.py lr_feature = 0.1 (plain SGD, main.py optimizer_feature)
     retrain_epochs: int = Field(300, ge=1)  # epochs over the features per round; options.py crt_epoch = 300
     lr_retrain: float = Field(0.01, gt=0.0)  # options.py lr_net = 0.01 (plain SGD, main.py feature_re_train)
+    # sensible defaults: a decade either side of the official lr_feature 0.1 and lr_net 0.01
+    tunable: ClassVar[dict[str, str]] = {"lr_feature": "log:1e-2:1", "lr_retrain": "log:1e-3:1e-1"}
     # main.py feature_re_train batches the features by batch_size_local_training (the clients' batch size, 32 in
     # options.py); None uses train.batch_size likewise
     retrain_batch_size: int | None = Field(None, ge=1)

@@ -39,6 +39,8 @@ References and differences:
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -56,6 +58,8 @@ class DittoConfig(FedAvgConfig):
     # lam in h_k = F_k(v) + lam/2 ||v - w||^2. Official code run_fashion_*_ditto_lam1.sh: lam = 1 (its dynamic_lam
     # picks from {0.1, 1, 2}); PFLlib's -mu default 0 means no pull at all.
     lam: float = Field(1.0, ge=0.0)
+    # Li et al. 2021 (Ditto): lam from {0.05, 0.1, 0.2, 0.5, 1, 2}; the official dynamic_lam picks from {0.1, 1, 2}
+    tunable: ClassVar[dict[str, str]] = {"lam": "log:0.05:2"}
     # Step size of the personal SGD; unset = the round's lr (paper's single eta, official code, PFLlib).
     personal_lr: float | None = Field(None, gt=0.0)
     # Personal iterations per round as passes over the client's data; unset = as many steps as the global update

@@ -40,7 +40,7 @@ Logged per evaluation (``round_metrics``, from the last aggregated round, checkp
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -68,6 +68,8 @@ class FedACDConfig(AlgoConfig):
     mixup: bool = True  # Sec. 3 "Input Mixup ... within each local training epoch's minibatch"; false: Table 5's w/o
     # proposal, notes/fedacd.md 2.7 (the common CIFAR value); the paper does not say
     mixup_alpha: float = Field(1.0, gt=0.0)
+    # l2_weight: Table 7 sweeps lambda over 0.5-2 (notes/fedacd.md); mixup_alpha: not given, sensible default
+    tunable: ClassVar[dict[str, str]] = {"l2_weight": "uniform:0.5:2", "mixup_alpha": "log:0.1:2"}
     # proposal, notes/fedacd.md 2.3 (option B: the mixup rationale implies P comes from the training outputs);
     # the paper does not say. "clean_pass" is option A: a clean no-grad re-estimate at the start of every epoch.
     p_estimate: Literal["train_outputs", "clean_pass"] = "train_outputs"

@@ -46,7 +46,7 @@ base of FedRANE's experiments):
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -68,6 +68,8 @@ class FedBABUConfig(FedAvgConfig):  # weighting "samples": PFLlib's aggregation 
     # fine-tuning lr; None = the round's training lr (PFLlib's fine_tune uses the training optimiser; the official
     # notebook uses 1e-3 after training at 0.1)
     finetune_lr: float | None = Field(None, gt=0.0)
+    # sensible defaults: PFLlib's 10 epochs and below; the notebook's 1e-3 to a usual training lr
+    tunable: ClassVar[dict[str, str]] = {"finetune_epochs": "int:1:10", "finetune_lr": "log:1e-4:1e-1"}
     # "full": body and head (official analysis.ipynb, PFLlib fine_tune(['base', 'head'])); "head": head only (the
     # paper's abstract's wording)
     finetune: Literal["full", "head"] = "full"

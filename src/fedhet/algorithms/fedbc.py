@@ -31,7 +31,7 @@ replies' ``num_examples``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from pydantic import Field, model_validator
@@ -47,6 +47,8 @@ class FedBCConfig(AlgoConfig):
     # alpha: official synthetic_jobs.sh --lamb_lr 1e-3 (logistic regression); the CIFAR example uses 5e-4. The paper
     # leaves it to the missing App. E. ||x - z||^2 sums over all parameters, so the scale is model-specific.
     dual_lr: float = Field(1e-3, ge=0.0)
+    # official lamb_lr: 1e-3 (synthetic), 5e-4 (CIFAR) (notes/fedbc.md); a decade either side
+    tunable: ClassVar[dict[str, str]] = {"dual_lr": "log:1e-4:1e-2"}
     # eta_gamma; None = dual_lr, as the official code steps lambda and gamma with one optimiser and one lr.
     gamma_lr: float | None = Field(None, ge=0.0)
     # Paper "Selection of gamma_i": gamma starts at 0 and is learned; official default (no --fix_gamma) too.
@@ -191,6 +193,8 @@ class FedBC(Algorithm):
 
 class FedBCFineTuneConfig(FedBCConfig):
     finetune_lr: float = Field(0.01, gt=0.0)  # official --inner_lr default 0.01 (evaluate_local.train_one_step)
+    # sensible default for the fine-tuning step: decades around the official inner_lr 0.01
+    tunable: ClassVar[dict[str, str]] = {**FedBCConfig.tunable, "finetune_lr": "log:1e-3:1e-1"}
     # True: the paper's protocol, the fine-tuning batch comes from the client's TEST split (test-set leakage);
     # metrics are then logged as personal_leaky_acc_*. False: a batch of the client's training data.
     leaky: bool = False
@@ -214,7 +218,7 @@ class FedBCFineTune(FedBC):
 
 
 class PerFedBCConfig(FedBCConfig, MamlParams):
-    pass
+    tunable: ClassVar[dict[str, str]] = {**FedBCConfig.tunable, **MamlParams.tunable}
 
 
 @ALGORITHMS.register(

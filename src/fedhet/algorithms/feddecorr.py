@@ -10,6 +10,8 @@ correlation matrix; the code's normalisation is what its numbers come from.)
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -22,6 +24,7 @@ from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
 class FedDecorrConfig(FedAvgConfig):
     # β = 0.1: official run_scripts (--feddecorr_coef 0.1) and the paper's default; FedRCL uses 0.01 (App. E).
     beta: float = Field(0.1, ge=0.0)
+    tunable: ClassVar[dict[str, str]] = {"beta": "log:1e-2:1"}  # sensible default: a decade either side of 0.1
 
 
 def decorrelation_loss(z: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

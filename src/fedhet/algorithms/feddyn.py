@@ -30,7 +30,7 @@ The official code's weight decay and gradient clipping are ``train.weight_decay`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
 class FedDynConfig(AlgoConfig):
     alpha: float = Field(0.01, ge=0.0)  # official code alpha_coef = 1e-2 (example_cifar_10.py)
+    tunable: ClassVar[dict[str, str]] = {"alpha": "log:1e-3:1e-1"}  # Acar et al. 2021: alpha in {0.001, 0.01, 0.1}
     # "none": one α for every client (the paper's Algorithm 1). "data_size": α / (n_k / mean n), what the official
     # code always does (identical on its equal-size partitions).
     alpha_scaling: Literal["none", "data_size"] = "none"

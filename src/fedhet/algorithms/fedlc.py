@@ -13,6 +13,8 @@ calibrated logit is −∞ and it gets zero probability and no gradient, as in t
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from pydantic import Field
@@ -25,6 +27,7 @@ from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
 class FedLCConfig(FedAvgConfig):
     # τ = 1: FedRCL's setting for FedLC (Seo et al. 2024, App. E) and FL-bench's default; FedDecorr's port uses 0.1.
     tau: float = Field(1.0, gt=0.0)
+    tunable: ClassVar[dict[str, str]] = {"tau": "log:1e-1:10"}  # sensible default: 0.1 (FedDecorr) to 10, around 1
 
 
 def calibration(counts: torch.Tensor, tau: float) -> torch.Tensor:

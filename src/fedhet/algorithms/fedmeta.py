@@ -27,7 +27,7 @@ partitions rebuilt from the config); a server without client data refuses to run
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 import torch
@@ -49,6 +49,7 @@ class FedMetaConfig(FedAvgConfig):
     meta_epochs: float = Field(1.0, gt=0.0)  # not given by FedUFO; one pass per round (our choice)
     # None: the run's train.lr / momentum / weight_decay / batch_size (FedUFO: the same SGD on client and server)
     meta_lr: float | None = Field(None, gt=0.0)
+    tunable: ClassVar[dict[str, str]] = {"meta_lr": "log:1e-3:3e-1"}  # sensible default, as train.lr's range
     meta_momentum: float | None = Field(None, ge=0.0, lt=1.0)
     meta_weight_decay: float | None = Field(None, ge=0.0)
     meta_batch_size: int | None = Field(None, ge=1)

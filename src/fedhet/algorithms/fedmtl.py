@@ -47,7 +47,7 @@ References and deviations:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -62,6 +62,7 @@ class FedMTLConfig(AlgoConfig):
     # lam in lam/2 tr(W Omega W^T). MOCHA's model_driver.m cross-validates lam over {1e-5, ..., 0.1, 10}; 0.01 is
     # our choice (mean Omega: a pull of 0.01 (w_k - mean w) per unit loss). lam = 0 is what PFLlib computes.
     lam: float = Field(0.01, ge=0.0)
+    tunable: ClassVar[dict[str, str]] = {"lam": "log:1e-5:10"}  # MOCHA cross-validates lam over {1e-5, ..., 10}
     # "mean": fixed (I - 11^T/m)^2 (MOCHA Sec. 3, PFLlib's intent); "learned": Sigma = sqrtm(W^T W)/tr, Omega =
     # Sigma^-1, re-estimated from W (MOCHA's official run_mocha.m).
     omega: Literal["mean", "learned"] = "mean"

@@ -60,7 +60,7 @@ Differences:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +83,7 @@ class FedNHConfig(FedAvgConfig):
     weighting: Literal["samples", "uniform"] = "uniform"
     # rho in P_c <- normalize(rho P_c + (1 - rho) m_c): official --FedNH_smoothing default 0.9 (main.py, yamls)
     smoothing: float = Field(0.9, ge=0.0, le=1.0)
+    tunable: ClassVar[dict[str, str]] = {"smoothing": "uniform:0.5:0.99"}  # sensible default around rho = 0.9
     # initial logit scale s: 1.0 in the official Conv2CifarNH (ResNetModNH: 20.0; fixed scaling: 30.0)
     scale: float = Field(1.0, gt=0.0)
     # True: s is trained by clients and averaged (official FedNH_fix_scaling: False); False: s stays ``scale``

@@ -40,7 +40,7 @@ Local optimiser: SGD only (``train.optimizer = "sgd"``). The paper's local solve
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from pydantic import Field
 
@@ -54,6 +54,8 @@ class FedNovaConfig(AlgoConfig):
     # JYWa/FedNova: FedNova(mu=0) is plain FedNova; mu > 0 adds FedProx's proximal term (the paper's FedProx+FedNova),
     # applied as the official step() applies it (into the momentum buffer under heavy-ball momentum)
     mu: float = Field(0.0, ge=0.0)
+    # FedProx's grid for the proximal term of FedProx+FedNova (Li et al. 2020); 0 (plain FedNova) by -t choice
+    tunable: ClassVar[dict[str, str]] = {"mu": "log:1e-3:1"}
 
 
 def effective_steps(steps: int, momentum: float = 0.0, nesterov: bool = False) -> float:

@@ -10,7 +10,7 @@ over classes and averaged over the batch (``KLDivLoss(reduction="batchmean")``),
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 class FedNTDConfig(FedAvgConfig):
     tau: float = Field(1.0, gt=0.0)  # official config/fedntd.json (the NTD_Loss class default is 3)
     beta: float = Field(1.0, ge=0.0)  # official config/fedntd.json; FedRCL runs FedNTD with 0.3 (App. E)
+    # sensible defaults around the official tau = 1 (NTD_Loss default 3) and beta = 1 (FedRCL: 0.3)
+    tunable: ClassVar[dict[str, str]] = {"tau": "log:0.5:5", "beta": "log:0.1:3"}
 
 
 def not_true(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from pydantic import Field
 
 from fedhet.algorithms.base import ALGORITHMS, ClientContext
@@ -10,6 +12,7 @@ from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
 
 class FedProxConfig(FedAvgConfig):
     mu: float = Field(0.01, ge=0.0)  # Li et al. 2020 tune mu in {0.001, 0.01, 0.1, 1}; 0.01 is a common best
+    tunable: ClassVar[dict[str, str]] = {"mu": "log:1e-3:1"}  # Li et al. 2020 (FedProx): mu in {0.001, 0.01, 0.1, 1}
 
 
 @ALGORITHMS.register(

@@ -59,7 +59,7 @@ cross-entropy of a mixed batch's augmented features read as logits over the d fe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -117,6 +117,13 @@ class FedRANEConfig(AlgoConfig):
     cd_symmetric: bool = False
     # ---- sample relational mining (Eq. 2-4)
     lambda_r: float = Field(0.1, gt=0.0)  # lambda_R = 0.1 (Sec. 4.1; official GraphGenerator reg 0.1)
+    # Sec. 4.2's sensitivity grids (notes/fedrane.md): lambda_CD in {0, 0.1, 0.5, 0.81}, tau_1 in {0.1, 0.2, 0.5,
+    # 0.8, 1}; lambda_R: not studied, sensible range around 0.1
+    tunable: ClassVar[dict[str, str]] = {
+        "lambda_cd": "uniform:0:1",
+        "temperature": "uniform:0.1:1",
+        "lambda_r": "log:1e-2:1",
+    }
     # "eq4": Eq. 4 as printed; "kkt": the exact constrained solution for a non-diagonal Phi + Phi^T (notes 2.2(b)4);
     # "oneshot": the official code's single EASE solve on P with no Phi iteration (notes 2.2(b)7)
     relation_form: RelationForm = "eq4"
@@ -288,6 +295,7 @@ class FedRANE(Algorithm):
 class FedRANEWithoutLRAConfig(FedRANEConfig):
     lra: bool = False  # FedRANE-w/o-LRA (Tables 1-2): extractor -> predictor
     lambda_cd: float = Field(0.0, ge=0.0)  # no CD term: it compares z with z~, which w/o-LRA has not (gotcha 16)
+    tunable: ClassVar[dict[str, str]] = {}  # without LRA there is no CD term and no relation to tune
 
 
 @ALGORITHMS.register(

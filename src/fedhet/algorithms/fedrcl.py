@@ -33,7 +33,7 @@ and prox losses carry weight 0 (they do not change the gradient). Gradient clipp
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,13 @@ class FedRCLConfig(FedAvgConfig):
     threshold: float = Field(0.7, ge=-1.0, le=1.0)  # similarity threshold λ, paper Sec. 5.1
     beta: float = Field(1.0, ge=0.0)  # penalty weight β, paper Sec. 5.1 (2 for MobileNet-V2, Table C); 0 = FedSCL
     topk_neg: int = Field(2, ge=1)  # hardest negatives per anchor, official configs/client/fedrcl.yaml (official)
+    # beta: the paper's sensitivity sweep (notes/fedrcl.md, Fig. 4); tau and threshold are fixed in the paper (0.05,
+    # 0.7): sensible ranges around them
+    tunable: ClassVar[dict[str, str]] = {
+        "beta": "choice:0,0.1,0.2,0.5,1,2,5",
+        "tau": "log:0.01:0.5",
+        "threshold": "uniform:0.5:0.9",
+    }
     # Feature taps to contrast; None = the model's `contrastive_levels` (ResNet-18: conv1, conv2_x..conv5_x, paper
     # Sec. 4.4), else every tap of `forward_features` (all body stages, never the logits).
     levels: tuple[str, ...] | None = None

@@ -77,7 +77,7 @@ two stages), ``feduad`` (= "+uad": CE + UAD in every round), ``fedufo_cls`` (= F
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -108,6 +108,8 @@ class FedUFOConfig(FedAvgConfig):  # weighting "samples": "weighted aggregation"
     # rounds of stage one (CE + UAD only); not given in the paper (notes 2.5.6), 50 is our proposal
     stage1_rounds: int = Field(50, ge=0)
     cgl_weight: float = Field(3.0, ge=0.0)  # lambda of Eq. 12: 3 on every dataset (Sec. 4.1.1, Fig. 4)
+    # Fig. 4 (notes/fedufo.md): lambda = 1, 2, 3 alike, 3 best, above 3 slower or stalled
+    tunable: ClassVar[dict[str, str]] = {"cgl_weight": "uniform:0.5:5"}
     cgr_weight: float = Field(1.0, ge=0.0)  # Eq. 12: unweighted
     uad_weight: float = Field(1.0, ge=0.0)  # Eq. 11-12: unweighted
     # local epochs of the prior; None: train.local_epochs, the proposal of notes 2.5.2 (the paper gives one E = 10).
@@ -583,17 +585,20 @@ class FedUFO(FedAvg):
 class FedUADConfig(FedUFOConfig):
     cgr: bool = False  # FedUAD = stage one only: CE + UAD in every round (Table 1; "+uad" of Table 3)
     cgl: bool = False
+    tunable: ClassVar[dict[str, str]] = {}  # without CGL, lambda weighs nothing
 
 
 class FedUFOClsConfig(FedUFOConfig):
     uad: bool = False  # "cls" of Table 3: CE only, "equals to FedAVG method actually"
     cgr: bool = False
     cgl: bool = False
+    tunable: ClassVar[dict[str, str]] = {}
 
 
 class FedUFOCgrConfig(FedUFOConfig):
     uad: bool = False  # "+cgr": CE + CGR, single stage (notes 2.5.6)
     cgl: bool = False
+    tunable: ClassVar[dict[str, str]] = {}
     stage1_rounds: int = Field(0, ge=0)
 
 
@@ -605,6 +610,7 @@ class FedUFOCglConfig(FedUFOConfig):
 
 class FedUFOUadCgrConfig(FedUFOConfig):
     cgl: bool = False  # "+uad+cgr": stage one CE + UAD, stage two adds CGR
+    tunable: ClassVar[dict[str, str]] = {}
 
 
 class FedUFOUadCglConfig(FedUFOConfig):

@@ -29,7 +29,7 @@ the client receives) is offered as a variant.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,8 @@ MOMENTUM = PRIVATE_OPT + "momentum"  # its SGD momentum buffer (Adam: private_ex
 class FMLConfig(FedAvgConfig):
     alpha: float = Field(0.5, ge=0.0, le=1.0)  # CE weight of the private model; Shen et al. 2020 experiments 0.5
     beta: float = Field(0.5, ge=0.0, le=1.0)  # CE weight of the meme model; Shen et al. 2020 experiments 0.5
+    # sensible defaults: the CE weights over (0, 1); Shen et al. 2020 use 0.5 for both
+    tunable: ClassVar[dict[str, str]] = {"alpha": "uniform:0.1:0.9", "beta": "uniform:0.1:0.9"}
     # "random": a private model of its own random initialisation (official Node.py), seeded from the client's first
     # round; "global": a copy of the first global model the client receives
     private_init: Literal["random", "global"] = "random"

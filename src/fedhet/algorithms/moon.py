@@ -31,7 +31,7 @@ Choices, against the official code (``QinbinLi/MOON``):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +52,8 @@ class MoonConfig(FedAvgConfig):  # weighting "samples": the official code averag
     # and 1 for CIFAR-100 and Tiny-ImageNet (Li et al. 2021, Sec. 4.1).
     mu: float = Field(1.0, ge=0.0)
     temperature: float = Field(0.5, gt=0.0)  # τ = 0.5: paper and official --temperature default
+    # Li et al. 2021 (MOON) Sec. 4.1: mu tuned in {0.1, 1, 5, 10}; their temperature study spans 0.1 to 1
+    tunable: ClassVar[dict[str, str]] = {"mu": "log:0.1:10", "temperature": "uniform:0.1:1"}
     projection_dim: int = Field(256, ge=1)  # official --out_dim default 256
     # official ModelFedCon: Linear(f, f), ReLU, Linear(f, out_dim); 0: no projector (PFLlib), z = the representation
     projection_layers: int = Field(2, ge=0)

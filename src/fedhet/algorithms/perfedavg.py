@@ -22,7 +22,7 @@ as ``personal_leaky_acc_*``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ from fedhet.algorithms.fedavg import FedAvg, FedAvgConfig
 class MamlParams(AlgoConfig):
     inner_lr: float = Field(0.01, gt=0.0)  # alpha; official FedBC code --inner_lr default 0.01
     inner_steps: int = Field(1, ge=1)  # official FedBC code --K default 1; Per-FedAvg takes one step
+    tunable: ClassVar[dict[str, str]] = {"inner_lr": "log:1e-3:1e-1"}  # sensible default: decades around 0.01
     # FO / HF are the two Per-FedAvg variants; the FedBC code implements first-order only.
     variant: Literal["first_order", "hessian_free"] = "first_order"
     delta: float = Field(1e-3, gt=0.0)  # HF finite-difference step; flgo's Per-FedAvg default 0.001

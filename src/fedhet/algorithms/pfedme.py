@@ -32,7 +32,7 @@ trains the sampled clients only, as the FedBC code's pFedMe does (the FedBC repr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,8 @@ class PFedMeConfig(FedAvgConfig):
     lam: float = Field(1.0, gt=0.0)  # FedBC synthetic_jobs.sh --personal_lamda 1.0 (pFedMe paper tunes 15-30)
     inner_steps: int = Field(5, ge=1)  # K = 5: pFedMe paper's default and FedBC synthetic_jobs.sh --K 5
     personal_lr: float = Field(0.01, gt=0.0)  # FedBC synthetic_jobs.sh --personal_lr 0.01
+    # lam: from FedBC's 1 to past pFedMe's own 15-30 (Dinh et al. 2020); personal_lr: sensible default
+    tunable: ClassVar[dict[str, str]] = {"lam": "log:1:50", "personal_lr": "log:1e-3:1e-1"}
     # Weight decay inside the theta problem: 0 as in the paper's objective; the official pFedMeOptimizer's mu
     # default is 0.001 (also the FedBC code, which does not override it).
     mu: float = Field(0.0, ge=0.0)

@@ -22,7 +22,7 @@ of size 1 / L, as in the paper and its code, so Adam / AdamW are refused.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -34,6 +34,7 @@ EPS = 1e-10  # official code: np.float_power(loss + 1e-10, q)
 
 class QFedAvgConfig(AlgoConfig):
     q: float = Field(1.0, ge=0.0)  # FedBC synthetic_jobs.sh --q 1.0 (q-FFL tunes q per dataset)
+    tunable: ClassVar[dict[str, str]] = {"q": "choice:1,2,5"}  # FedUFO's q-FFL runs (notes/fedufo.md): q in {1, 2, 5}
     weighting: Literal["uniform", "samples"] = "uniform"  # "uniform": q-FFL Alg. 3; "samples": the FedBC code
     h_norm: Literal["scaled", "unscaled"] = "scaled"  # "scaled": q-FFL; "unscaled": the FedBC code
     lipschitz: float | None = Field(None, gt=0.0)  # L; None = 1 / the round's client lr (q-FFL official code)

@@ -14,7 +14,7 @@ defaults differ from ours (its FedAdam lr 0.1, FedAdagrad beta1 0); set them exp
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import ConfigDict, Field, model_validator
@@ -31,11 +31,13 @@ class _Params(Params):
 
 class SgdParams(_Params):
     lr: float = Field(1.0, gt=0.0)  # 1.0: x <- target, i.e. plain FedAvg (McMahan et al. 2017)
+    tunable: ClassVar[dict[str, str]] = {"lr": "log:0.1:3"}  # sensible default: around plain averaging (1)
 
 
 class AvgMParams(_Params):
     lr: float = Field(1.0, gt=0.0)  # Hsu et al. 2019 use server lr 1 with momentum
     momentum: float = Field(0.9, ge=0.0, lt=1.0)  # Hsu et al. 2019, beta = 0.9
+    tunable: ClassVar[dict[str, str]] = {"lr": "log:0.1:3", "momentum": "uniform:0:0.99"}  # sensible defaults
 
 
 class AdaptiveParams(_Params):
@@ -43,6 +45,8 @@ class AdaptiveParams(_Params):
     beta1: float = Field(0.9, ge=0.0, lt=1.0)  # Reddi et al. 2021, Sec. 5
     beta2: float = Field(0.99, ge=0.0, lt=1.0)  # Reddi et al. 2021, Sec. 5
     tau: float = Field(1e-3, gt=0.0)  # adaptivity; Reddi et al. 2021 default 1e-3
+    # lr: Reddi et al. 2021 tune eta over 10^{-3..0}; tau: sensible default, decades around their 1e-3
+    tunable: ClassVar[dict[str, str]] = {"lr": "log:1e-3:1", "tau": "log:1e-5:1e-1"}
     # "reddi": Reddi et al. 2021, Alg. 2 (v starts at tau^2, no bias correction). "flower": flwr 1.41's strategies
     # (v starts at 0; FedAdam's step bias-corrected), see the module docstring.
     form: Literal["reddi", "flower"] = "reddi"
@@ -148,6 +152,7 @@ class RpropParams(_Params):
     eta_minus: float = Field(0.5, gt=0.0, lt=1.0)  # Riedmiller & Braun 1993; Hartmann's rprop.py beta = 0.5
     min_step: float = Field(1e-7, gt=0.0)  # Hartmann's rprop.py min_value
     max_step: float = Field(50.0, gt=0.0)  # Hartmann's rprop.py max_value (torch.optim.Rprop: 50 too)
+    tunable: ClassVar[dict[str, str]] = {"lr": "log:1e-3:1e-1"}  # sensible default: decades around 0.01
 
     @model_validator(mode="after")
     def _ordered(self) -> RpropParams:

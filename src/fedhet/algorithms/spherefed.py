@@ -49,7 +49,7 @@ the fixed classifier they trained against; the calibration phase trains nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +79,7 @@ class SphereFedConfig(FedAvgConfig):
     # lambda added to the summed feature Gram matrix; only guards solvability (the paper's solution is plain
     # least squares), negligible next to the sample count
     ridge: float = Field(1e-3, ge=0.0)
+    tunable: ClassVar[dict[str, str]] = {"ridge": "log:1e-5:1e-1"}  # sensible default: decades around 1e-3
 
 
 class SphereHead(nn.Module):

@@ -74,7 +74,8 @@ class FeatureSkew:
         return bool(self.domain_names) and self.name != "natural"
 
     def client(self, x: torch.Tensor, client: int, num_clients: int, seed: int, role: int) -> torch.Tensor:
-        """Client ``client``'s inputs ``x`` (its training data for ``role`` 0, its local test data for 1)."""
+        """Client ``client``'s inputs ``x`` (its training data for ``role`` 0, its local test data for 1, its
+        validation data for 2: held out of its training share, so transformed alike, with noise of its own)."""
         if self.name == "noise":
             std = self.params["sigma"] * (client + 1) / num_clients
             gen = torch.Generator().manual_seed(_seed(seed, client, role))

@@ -43,6 +43,11 @@ class FederatedDataset:
     def has_local_test(self) -> bool:
         return self.clients[0].y_test is not None
 
+    @property
+    def has_validation(self) -> bool:
+        """Whether the clients hold validation data (partition.validation_fraction > 0)."""
+        return any(c.y_val is not None for c in self.clients)
+
     def pooled(self) -> FederatedDataset:
         """One client holding every client's training data, in client order (the centralized upper bound). The
         clients' local test data are left out: they stay with the partition, on which evaluation is measured."""
@@ -109,7 +114,8 @@ def normalise_tensor(x: torch.Tensor, ds: ArrayDataset) -> torch.Tensor:
 
 
 def _split_local(idx: np.ndarray, frac: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """Shuffle a client's indices and cut off ``frac`` of them (at least one) as its local test split."""
+    """Shuffle a client's indices and cut off ``frac`` of them (at least one, none of a single sample) as its local
+    test (or validation) split; ``frac = 0`` draws nothing from ``rng``."""
     if frac <= 0:
         return idx, idx[:0]
     perm = rng.permutation(idx)
@@ -122,6 +128,7 @@ def federate(
     parts: list[np.ndarray],
     *,
     local_test_fraction: float = 0.0,
+    validation_fraction: float = 0.0,
     merged: bool = False,
     seed: int = 0,
     device: torch.device | str = "cpu",
@@ -136,6 +143,9 @@ def federate(
     the official test set instead of a split of its own training data; the global test set stays the whole one.
     ``skew`` (data/features.py) changes each client's training and local test inputs; with domains, the official
     test set becomes one transformed copy per domain, and ``test_domains`` says which copy each sample is in.
+    ``validation_fraction`` of what is left of each client's share after its local test split becomes its validation
+    data (``x_val``, ``y_val``), drawn with a generator of its own from ``seed``: the training and local test data of
+    a run without validation are exactly those of one with it, less the validation samples.
     """
     use_local_union = merged or not ds.has_test_set
     if use_local_union and local_test_fraction <= 0:
@@ -151,6 +161,7 @@ def federate(
         y_all = np.concatenate([ds.y_train, ds.y_test])
         domains_all = None if domains_all is None else np.concatenate([ds.domains_train, ds.domains_test])
     rng = np.random.default_rng([seed, 0x5EED])
+    val_rng = np.random.default_rng([seed, 0x7A11D])  # its own stream: the local test split stays as it was
     inputs = ClientInputs(ds, skew, len(parts), seed, device)
     skew = inputs.skew
     x_t = torch.from_numpy(np.ascontiguousarray(inputs.prepare(x_all)))
@@ -160,8 +171,12 @@ def federate(
     clients, counts, held_out = [], [], []
     for i, idx in enumerate(parts):
         tr, te = _split_local(np.asarray(idx), local_test_fraction, rng)
+        tr, va = _split_local(tr, validation_fraction, val_rng)
         tr_t, te_t = torch.from_numpy(tr), torch.from_numpy(te)
         client = ClientData(x=inputs.client(x_t[tr_t], i, 0), y=y_t[tr_t.to(device)], num_classes=ds.num_classes)
+        if validation_fraction > 0:
+            va_t = torch.from_numpy(va)
+            client.x_val, client.y_val = inputs.client(x_t[va_t], i, 2), y_t[va_t.to(device)]
         if local_test_fraction > 0:
             client.x_test, client.y_test = inputs.client(x_t[te_t], i, 1), y_t[te_t.to(device)]
         elif test_parts is not None:

@@ -165,6 +165,10 @@ class ClientData:
     num_classes: int
     x_test: torch.Tensor | None = None
     y_test: torch.Tensor | None = None
+    # validation data (partition.validation_fraction): held out of the client's training share, never trained on;
+    # what tuning reads (docs/tuning.md), so a tuned run never looks at its test data
+    x_val: torch.Tensor | None = None
+    y_val: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.y)

@@ -1,6 +1,7 @@
-"""What a run measures at each evaluation: the global model on the global test set and on every client's
-distribution, the local models (FedACD's tables), the models an algorithm asks to have scored, the personalised
-models, and the clients' own reports (``Reply.metrics``). One record per evaluation, in ``metrics.jsonl``."""
+"""What a run measures at each evaluation: the global model on the global test set, on every client's distribution
+and on the clients' validation data (partition.validation_fraction), the local models (FedACD's tables), the models an
+algorithm asks to have scored, the personalised models, and the clients' own reports (``Reply.metrics``). One record
+per evaluation, in ``metrics.jsonl``."""
 
 from __future__ import annotations
 
@@ -17,7 +18,13 @@ from fedhet.data.federated import FederatedDataset
 from fedhet.engine.attack import attack_metrics
 from fedhet.engine.client import LOCAL_BUFFERS, LOCAL_PARAMS, Executor, RoundResult
 from fedhet.results.store import MetricsLog, Warn, truncate_after
-from fedhet.toolkit.evaluate import client_test_samples, evaluate, evaluate_global, local_risk
+from fedhet.toolkit.evaluate import (
+    client_test_samples,
+    evaluate,
+    evaluate_global,
+    local_risk,
+    validation_metrics,
+)
 from fedhet.toolkit.flat import FlatModel
 from fedhet.toolkit.local import derive_seed
 
@@ -64,6 +71,7 @@ class Evaluator:
         self.flat.set_params(self.algo.global_params)
         self.flat.set_buffers(self.algo.global_buffers)
         metrics = evaluate_global(self.model, self.eval_fed, self.cfg.run.eval_batch_size, self.dist_samples())
+        metrics.update(validation_metrics(self.model, self.eval_fed, self.cfg.run.eval_batch_size))
         metrics.update(self.local_model_metrics())
         metrics.update(self.extra_model_metrics())
         metrics.update(attack_metrics(self.cfg, self.model, self.eval_fed))  # the backdoor's success rate

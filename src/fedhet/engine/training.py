@@ -214,6 +214,7 @@ def build_federation(cfg: Config) -> FederatedDataset:
         ds,
         parts,
         local_test_fraction=p.local_test_fraction,
+        validation_fraction=p.validation_fraction,
         merged=p.merge_test,
         seed=seed,
         device=cfg.run.device,

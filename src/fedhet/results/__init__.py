@@ -1,6 +1,7 @@
 """Run folders: durable metrics/JSON files, mean ± std tables over seeds, plots and the HTML report."""
 
 from fedhet.results.html import write_html
+from fedhet.results.objective import direction, objective
 from fedhet.results.plots import curves_figure, plot_curves, plot_label_distribution
 from fedhet.results.report import (
     Group,
@@ -20,8 +21,10 @@ __all__ = [
     "Row",
     "Run",
     "curves_figure",
+    "direction",
     "group_runs",
     "load_runs",
+    "objective",
     "plot_curves",
     "plot_label_distribution",
     "print_table",

@@ -71,27 +71,44 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, num_classes: in
 
 @torch.no_grad()
 def local_test_acc(model: nn.Module, clients: list, batch_size: int, on_train: bool = False) -> np.ndarray:
-    """Each client's accuracy on its local test split, or with ``on_train`` on its training data (NaN where empty).
-
-    The splits are evaluated in full batches drawn across clients, so 10,000 clients of a few samples cost what their
-    union costs, not 10,000 forward passes (the model is in eval mode: a sample's prediction does not depend on the
-    others in its batch). A model whose prediction does depend on them (``transductive_batch``) is evaluated on each
-    client's split alone, in batches of its own size, so no client's accuracy depends on another client's data."""
+    """Each client's accuracy on its local test split, or with ``on_train`` on its training data (NaN where empty)."""
     data = [(c.x, c.y) if on_train else (c.x_test, c.y_test) for c in clients]
+    hits, _, counts = per_client_scores(model, data, batch_size)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, hits / counts, np.nan)
+
+
+@torch.no_grad()
+def per_client_scores(
+    model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]], batch_size: int, with_loss: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per client (one ``(x, y)`` pair each): the samples predicted right, the summed cross-entropy (with
+    ``with_loss``, else zeros) and the number of samples.
+
+    The clients' data are evaluated in full batches drawn across clients, so 10,000 clients of a few samples cost what
+    their union costs, not 10,000 forward passes (the model is in eval mode: a sample's prediction does not depend on
+    the others in its batch). A model whose prediction does depend on them (``transductive_batch``) is evaluated on
+    each client's data alone, in batches of its own size, so no client's score depends on another client's data."""
+    counts = np.array([len(y) for _, y in data], dtype=np.float64)
+    hits, losses = np.zeros(len(data)), np.zeros(len(data))
     if getattr(model, "transductive_batch", None) is not None:
-        n = clients[0].num_classes if clients else 0
-        return np.array([evaluate(model, x, y, n, batch_size).acc if len(y) else np.nan for x, y in data])
+        for i, (x, y) in enumerate(data):
+            if len(y):
+                stats = evaluate(model, x, y, int(y.max()) + 1, batch_size)
+                hits[i], losses[i] = stats.correct.sum(), stats.loss_sum
+        return hits, losses, counts
     was_training = model.training
     model.eval()
-    hits = np.zeros(len(clients))
-    counts = np.array([len(y) for _, y in data], dtype=np.float64)
     xs, ys, owners = [], [], []
 
     def flush() -> None:
         if ys:
             y = torch.cat(ys)
-            hit = (model(torch.cat(xs)).argmax(1) == y).cpu().numpy()
-            np.add.at(hits, np.concatenate(owners), hit)
+            logits = model(torch.cat(xs))
+            who = np.concatenate(owners)
+            np.add.at(hits, who, (logits.argmax(1) == y).cpu().numpy())
+            if with_loss:
+                np.add.at(losses, who, F.cross_entropy(logits, y, reduction="none").float().cpu().numpy())
             xs.clear(), ys.clear(), owners.clear()
 
     pending = 0
@@ -107,8 +124,26 @@ def local_test_acc(model: nn.Module, clients: list, batch_size: int, on_train: b
                 pending = 0
     flush()
     model.train(was_training)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(counts > 0, hits / counts, np.nan)
+    return hits, losses, counts
+
+
+def validation_metrics(model: nn.Module, fed: FederatedDataset, batch_size: int) -> dict[str, float]:
+    """The global model on the clients' validation data (partition.validation_fraction), the federated way: each
+    client scores it on its own validation samples and the scores are aggregated by size (``val_acc``, ``val_loss``:
+    the accuracy and mean loss over all validation samples), with the spread across clients as the fairness metrics
+    give it for test data (``val_client_acc_mean`` ... ``val_acc_largest_client``; clients without validation
+    samples left out). Nothing without validation data. Never reads a test set."""
+    if not fed.has_validation:
+        return {}
+    data = [(c.x_val, c.y_val) for c in fed.clients]
+    hits, losses, counts = per_client_scores(model, data, batch_size, with_loss=True)
+    total = max(counts.sum(), 1)
+    out = {"val_acc": float(hits.sum() / total), "val_loss": float(losses.sum() / total)}
+    mine = counts > 0
+    if mine.any():
+        spread = fairness(hits[mine] / counts[mine], fed.sizes[mine])
+        out.update({f"val_{key}": value for key, value in spread.items()})
+    return out
 
 
 def client_distribution_acc(per_class_acc: np.ndarray, label_dist: np.ndarray) -> np.ndarray:
