@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, NoReturn
@@ -44,7 +45,8 @@ from fedhet.cli_shared import (
     shortcuts,
     usage_error_line,
 )
-from fedhet.errors import ConfigError, FedhetError, Interrupted, RunFailed
+from fedhet.engine.display import print_warning
+from fedhet.errors import ConfigError, FedhetError, FedhetWarning, Interrupted, RunFailed
 from fedhet.flower.cli import flower_app
 
 app = typer.Typer(
@@ -362,7 +364,6 @@ def report(
     ] = "round",
 ) -> None:
     """Summarise finished (or running) runs: a mean ± std table over seeds and accuracy-vs-round curves."""
-    from fedhet.engine.display import print_warning
     from fedhet.paths import check_folder, check_output_file
     from fedhet.results.html import write_html
     from fedhet.results.plots import PANELS, X_LABELS, plot_curves
@@ -513,10 +514,25 @@ def _fit_text(kind: str, name: str) -> str:
 NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
+def one_line_warnings(default):
+    """``warnings.showwarning`` that prints fedhet's own warnings as one ``warning:`` line (no file, no source line)
+    and leaves the others to ``default``."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, FedhetWarning):
+            print_warning(err_console, str(message))
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    return show
+
+
 def main() -> None:
     try:
-        # not standalone: click's usage errors come here, to be printed as one line like fedhet's own
-        code = app(prog_name="fedhet", standalone_mode=False)
+        with warnings.catch_warnings():  # restores showwarning when the command ends
+            warnings.showwarning = one_line_warnings(warnings.showwarning)
+            # not standalone: click's usage errors come here, to be printed as one line like fedhet's own
+            code = app(prog_name="fedhet", standalone_mode=False)
     except NO_ARGS_IS_HELP:  # `fedhet` alone: typer has printed the help
         sys.exit(2)
     except click.ClickException as err:
