@@ -299,26 +299,40 @@ def partition_cmd(
     plot: Annotated[
         Path, typer.Option("--plot", readable=False, help="Where to write the label-distribution plot.")
     ] = Path("partition.png"),
+    save: Annotated[
+        Path | None,
+        typer.Option(
+            "--save",
+            readable=False,
+            help="Also write the clients' index sets to this JSON file; a run uses it with -p file -s "
+            "partition.path=FILE (docs/non-iid.md).",
+        ),
+    ] = None,
 ) -> None:
     """Show how a dataset is split across clients: sizes, label counts, and a label-distribution plot."""
-    from fedhet.engine.simulation import build_federation
+    from fedhet.engine.training import build_federation, load_data, partition_of, to_save
     from fedhet.paths import check_output_file
     from fedhet.results.plots import plot_label_distribution
 
     check_output_file(plot, "--plot")
+    if save is not None:
+        check_output_file(save, "--save")
     given = {"dataset": dataset, "partition": partition, "clients": clients, "seed": seed, "data_dir": data_dir}
     check_shortcut_conflicts(set_ or (), given)
     with interrupted(BUILDING_CONFIG):
         cfg = api.make_config(config, set_, plugins=plugin or (), **given)
     with interrupted("while the clients' data was being split; run the command again"):
-        fed = build_federation(cfg)
+        ds = load_data(cfg)
+        split = partition_of(cfg, ds)
+        fed = build_federation(cfg, ds, split)
     counts = fed.train_counts
+    names = class_names(ds, fed.num_classes)
     table = Table(title=f"{cfg.dataset.name} / {cfg.partition.name} {cfg.partition.params() or ''}")
     table.add_column("client", justify="right")
     table.add_column("size", justify="right")
     table.add_column("classes", justify="right")
-    for c in range(fed.num_classes):
-        table.add_column(str(c), justify="right")
+    for name in names:
+        table.add_column(escape(name), justify="right")
     for i, row in enumerate(counts):
         table.add_row(str(i), str(int(row.sum())), str(int((row > 0).sum())), *[str(int(v)) for v in row])
     console.print(table)
@@ -328,8 +342,19 @@ def partition_cmd(
         f"{int(sizes.min())}/{int(sorted(sizes)[len(sizes) // 2])}/{int(sizes.max())} "
         f"global test set: {len(fed.y_test)} ({fed.test_source})"
     )
-    path = plot_label_distribution(counts, plot, title=f"{cfg.dataset.name}: {cfg.partition.name} label split")
+    title = f"{cfg.dataset.name}: {cfg.partition.name} label split"
+    path = plot_label_distribution(counts, plot, title=title, class_names=names)
     console.print(f"plot: {path}")
+    if save is not None:
+        console.print(f"partition: {to_save(cfg, split).save(save)}")
+
+
+def class_names(ds, num_classes: int) -> list[str]:
+    """The dataset's class names where it has one per class, else the class numbers."""
+    names = ds.class_names
+    if names and len(names) == num_classes:
+        return [str(name) for name in names]
+    return [str(c) for c in range(num_classes)]
 
 
 @app.command()
