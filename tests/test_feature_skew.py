@@ -107,6 +107,22 @@ def test_a_client_in_domain_k_holds_its_samples_turned_k_quarters():
     assert torch.equal(fed.clients[1].x, torch.rot90(plain.clients[1].x, 2, dims=(-2, -1)))
 
 
+@pytest.mark.parametrize("name", ["rotation", "contrast", "blur", "colour"])
+def test_more_domains_than_clients_is_one_line_giving_the_bound(name):
+    ds = images(channels=3)
+    with pytest.raises(ConfigError) as err:
+        feature_skew(name, ds, 4, domains=5)
+    assert str(err.value) == (
+        "features.domains=5 is more than the 4 clients (partition.num_clients): every domain is some client's; "
+        "use at most 4 domains"
+    )
+
+
+def test_a_million_domains_is_refused_before_the_test_set_is_copied(tiny_config):
+    with pytest.raises(ConfigError, match=r"features.domains=1000000 is more than the 6 clients"):
+        Simulation(tiny_config(features={"name": "rotation", "domains": 1_000_000}))
+
+
 def test_domain_transforms_by_hand():
     x = torch.tensor([[[[0.0, 1.0], [0.5, 0.5]]]])  # mean 0.5
     torch.testing.assert_close(contrast(x, 1, 2, {"min_contrast": 0.2}), torch.tensor([[[[0.4, 0.6], [0.5, 0.5]]]]))

@@ -14,7 +14,7 @@ import fedhet  # noqa: E402
 from fedhet.data import flwr_partition  # noqa: E402
 from fedhet.data.partition import PARTITIONERS, partition  # noqa: E402
 from fedhet.data.types import DataError  # noqa: E402
-from fedhet.errors import ConfigError  # noqa: E402
+from fedhet.errors import ConfigError, FedhetWarning  # noqa: E402
 
 SEED = 7
 # 600 samples of 6 classes (uneven sizes), 10 natural ids (uneven sizes)
@@ -159,6 +159,48 @@ def test_the_partition_seed_and_the_shuffle_change_the_clients():
         ),
         ("flwr.distribution", {"distribution_array": [[1, -2]]}, 5, r"values must be finite and 0 or more"),
         ("flwr.exponential", {}, 12, r"partitions sizes that are not greater than 0"),
+        (
+            "flwr.iid",
+            {},
+            601,
+            r"^partitioner 'flwr.iid': 601 clients but only 600 samples to split \(fewer samples than clients\); use "
+            r"at most 600 clients$",
+        ),
+        (
+            "flwr.shard",
+            {"num_shards_per_partition": 200},
+            5,
+            r"^partitioner 'flwr.shard': 5 clients x num_shards_per_partition=200 = 1000 shards, more than the 600 "
+            r"samples \(a shard holds at least one\)",
+        ),
+        (
+            "flwr.shard",
+            {"num_shards_per_partition": None, "shard_size": 200},
+            5,
+            r"^partitioner 'flwr.shard': shard_size=200 cuts the 600 samples into 3 shards, fewer than the 5 clients; "
+            r"use a shard_size of at most 120 or at most 3 clients$",
+        ),
+        (
+            "flwr.shard",
+            {"shard_size": 100},
+            5,
+            r"^partitioner 'flwr.shard': 5 clients x num_shards_per_partition=2 x shard_size=100 = 1000 samples, more "
+            r"than the 600",
+        ),
+        (
+            "flwr.dirichlet",
+            {"min_partition_size": 200},
+            5,
+            r"^partitioner 'flwr.dirichlet': 5 clients x min_partition_size=200 = 1000 samples, more than the 600 "
+            r"there are; use fewer clients or a min_partition_size of at most 120$",
+        ),
+        (
+            "flwr.dirichlet",
+            {"alpha": 0.05, "min_partition_size": 110},
+            5,
+            r"^partitioner 'flwr.dirichlet': none of flwr-datasets' 11 draws at alpha=0.05 gave each of the 5 clients "
+            r"min_partition_size=110 samples; use a larger alpha",
+        ),
     ],
 )
 def test_bad_parameters_are_one_line_naming_what_is_valid(name, params, clients, message):
@@ -180,6 +222,58 @@ def test_a_missing_class_is_refused_by_inner_dirichlet():
 def test_flwr_warnings_reach_the_user_once_with_the_name():
     with pytest.warns(UserWarning, match=r"^partitioner 'flwr.size': The sum of partition sizes is 300"):
         partition("flwr.size", LABELS, 3, SEED, partition_sizes=[100, 100, 100])
+
+
+@pytest.mark.parametrize(
+    "clients, hint",
+    [
+        (2, "with partition.num_clients of at least 6 (the classes), partition.class_assignment_mode="),
+        (8, "partition.class_assignment_mode="),
+    ],
+)
+def test_unused_classes_are_one_warning_naming_fedhets_setting(clients, hint):
+    labels = np.repeat(np.arange(6), 100)
+    with pytest.warns(FedhetWarning) as caught:
+        parts = partition("flwr.pathological", labels, clients, 3, num_classes_per_partition=1)
+    unused = sorted(set(range(6)) - set(np.concatenate([labels[p] for p in parts]).tolist()))
+    assert len(caught) == 1 and unused
+    used = 6 - len(unused)
+    assert str(caught[0].message) == (
+        f"partitioner 'flwr.pathological': classes {', '.join(map(str, unused))} go to no client ({used} of the 6 "
+        f"classes are used); {hint}'first-deterministic' uses every class"
+    )
+
+
+def test_the_cli_prints_a_flwr_warning_as_one_line(tmp_config_dir, monkeypatch, capsys):
+    import sys
+
+    from fedhet.cli import main
+
+    args = ["partition", "-d", "digits", "-p", "flwr.pathological", "-n", "2", "--plot", "p.png"]
+    monkeypatch.setattr(sys, "argv", ["fedhet", *args])
+    with pytest.raises(SystemExit) as info:
+        main()
+    err = capsys.readouterr().err
+    assert info.value.code == 0, err
+    assert len(err.strip().splitlines()) == 1, err  # no file name, no source line
+    assert err.startswith("warning: partitioner 'flwr.pathological': classes ")
+    assert "first_class_deterministic_assignment" not in err and "class_assignment_mode=" in err
+
+
+def test_more_clients_than_samples_on_digits_is_one_line(tmp_config_dir, monkeypatch, capsys):
+    import sys
+
+    from fedhet.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["fedhet", "partition", "-d", "digits", "-p", "flwr.iid", "-n", "2000"])
+    with pytest.raises(SystemExit) as info:
+        main()
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.strip() == (
+        "error: partitioner 'flwr.iid': 2000 clients but only 1347 samples to split (fewer samples than clients); "
+        "use at most 1347 clients"
+    )
 
 
 def test_without_flower_datasets_a_flwr_name_is_one_line_saying_what_to_install(tmp_config_dir, monkeypatch):

@@ -293,8 +293,8 @@ def test_train_without_test_is_named(tmp_path):
 
 def spoil(obj: dict, how: str) -> str:
     """The text of a LEAF file of users 'a' (2 samples) and 'b' (1 sample), spoilt one way."""
-    if how in ("not json", "a list"):
-        return '{"users": [' if how == "not json" else "[1, 2]"
+    if how in ("not json", "a list", "nested too deeply"):
+        return {"not json": '{"users": [', "a list": "[1, 2]", "nested too deeply": "[" * 100_000}[how]
     data = obj["user_data"]
     changes = {
         "no num_samples": lambda: obj.pop("num_samples"),
@@ -320,6 +320,7 @@ def spoil(obj: dict, how: str) -> str:
 MALFORMED = {
     "not json": "not valid JSON (Expecting value at line 1 column 12)",
     "a list": "a list where LEAF writes an object with keys users, num_samples, user_data",
+    "nested too deeply": "brackets nested too deeply to read",
     "no num_samples": "missing key 'num_samples' (a LEAF file has the keys users, num_samples, user_data)",
     "short num_samples": "'num_samples' must be a list of one count per user (2 users)",
     "count disagrees": "user 'a': num_samples says 3 but 'x' holds 2 samples",

@@ -8,7 +8,8 @@ The Python API (``fedhet/api.py``; the CLI is built on it)::
     print(result.final["test_acc"])
 
 ``make_config``, ``run``, ``resume``, ``compare``, ``report``, ``load_run`` / ``load_runs``, ``RunResult`` and
-``records_dataframe`` (several runs' records as one pandas DataFrame) are here; ``load_plugins`` loads plug-ins
+``records_dataframe`` (several runs' records as one pandas DataFrame), ``save_partition`` / ``load_partition`` (a
+config's client index sets to and from a file) are here; ``load_plugins`` loads plug-ins
 (algorithms, models, datasets, partitioners defined outside fedhet). They are imported on first use, so
 ``import fedhet`` stays light.
 """
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from fedhet.api import (
         RunResult,
         compare,
+        load_partition,
         load_run,
         load_runs,
         make_config,
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
         report,
         resume,
         run,
+        save_partition,
     )
     from fedhet.config import Config
     from fedhet.plugins import load as load_plugins
@@ -48,6 +51,8 @@ _API = {
     "load_runs": ("fedhet.api", "load_runs"),
     "records_dataframe": ("fedhet.api", "records_dataframe"),
     "load_plugins": ("fedhet.plugins", "load"),
+    "save_partition": ("fedhet.api", "save_partition"),
+    "load_partition": ("fedhet.api", "load_partition"),
 }
 
 __all__ = [
@@ -55,6 +60,7 @@ __all__ = [
     "RunResult",
     "__version__",
     "compare",
+    "load_partition",
     "load_plugins",
     "load_run",
     "load_runs",
@@ -63,6 +69,7 @@ __all__ = [
     "report",
     "resume",
     "run",
+    "save_partition",
 ]
 
 

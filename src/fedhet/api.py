@@ -10,6 +10,7 @@
     result.to_dataframe()               # the same as a pandas DataFrame (needs pandas)
     results = fedhet.compare(cfg, variants=["fedavg", "fedprox"], seeds=[0, 1])
     rows = fedhet.report(results)       # mean ± std over seeds, one row per setting
+    fedhet.save_partition(cfg, "clients.json")  # the clients' index sets; a run uses partition.name = "file"
 
 Every function takes a config as a ``Config``, a dict (``{"train": {"lr": 0.05}}``, sections as in the TOML
 files), or the path of a TOML file; ``plugins=`` names plug-in files or modules (fedhet/plugins.py) that register
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     import pandas
     from rich.console import Console
 
+    from fedhet.data.partition_file import SavedPartition
     from fedhet.results.report import Row
 
 ConfigSource = Config | Mapping[str, Any] | str | Path | None
@@ -192,6 +194,37 @@ def run(
     with _accepting_plugins(accept_changed_plugins):
         sim.run(resume=resume, overwrite=overwrite)
     return load_run(sim.run_dir)
+
+
+def save_partition(
+    config: ConfigSource,
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | Iterable[str] | None = None,
+    *,
+    plugins: Iterable[str | Path] = (),
+    **shortcuts: Any,
+) -> SavedPartition:
+    """The clients' index sets of a config (``.train``, ``.test``, ``.dataset`` fingerprint, ``.made_by``), written to
+    ``path`` as ``fedhet partition --save`` writes them when a path is given. A run trains on the file with
+    ``partition.name = "file"`` and ``partition.path``; ``load_partition`` reads it back (docs/non-iid.md)."""
+    from fedhet.engine.training import load_data, partition_of, to_save
+    from fedhet.paths import check_output_file
+
+    if path is not None:
+        check_output_file(path, "path")
+    cfg = make_config(config, overrides, plugins=plugins, **shortcuts)
+    saved = to_save(cfg, partition_of(cfg, load_data(cfg)))
+    if path is not None:
+        saved.save(path)
+    return saved
+
+
+def load_partition(path: str | Path) -> SavedPartition:
+    """A partition file (``save_partition``, ``fedhet partition --save``), its structure checked; a run checks its
+    indices against the data it splits."""
+    from fedhet.data.partition_file import SavedPartition
+
+    return SavedPartition.load(path, setting="path")
 
 
 def run_dir_of(config: Config) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, NoReturn
@@ -44,7 +45,8 @@ from fedhet.cli_shared import (
     shortcuts,
     usage_error_line,
 )
-from fedhet.errors import ConfigError, FedhetError, Interrupted, RunFailed
+from fedhet.engine.display import print_warning
+from fedhet.errors import ConfigError, FedhetError, FedhetWarning, Interrupted, RunFailed
 from fedhet.flower.cli import flower_app
 
 app = typer.Typer(
@@ -297,26 +299,40 @@ def partition_cmd(
     plot: Annotated[
         Path, typer.Option("--plot", readable=False, help="Where to write the label-distribution plot.")
     ] = Path("partition.png"),
+    save: Annotated[
+        Path | None,
+        typer.Option(
+            "--save",
+            readable=False,
+            help="Also write the clients' index sets to this JSON file; a run uses it with -p file -s "
+            "partition.path=FILE (docs/non-iid.md).",
+        ),
+    ] = None,
 ) -> None:
     """Show how a dataset is split across clients: sizes, label counts, and a label-distribution plot."""
-    from fedhet.engine.simulation import build_federation
+    from fedhet.engine.training import build_federation, load_data, partition_of, to_save
     from fedhet.paths import check_output_file
     from fedhet.results.plots import plot_label_distribution
 
     check_output_file(plot, "--plot")
+    if save is not None:
+        check_output_file(save, "--save")
     given = {"dataset": dataset, "partition": partition, "clients": clients, "seed": seed, "data_dir": data_dir}
     check_shortcut_conflicts(set_ or (), given)
     with interrupted(BUILDING_CONFIG):
         cfg = api.make_config(config, set_, plugins=plugin or (), **given)
     with interrupted("while the clients' data was being split; run the command again"):
-        fed = build_federation(cfg)
+        ds = load_data(cfg)
+        split = partition_of(cfg, ds)
+        fed = build_federation(cfg, ds, split)
     counts = fed.train_counts
+    names = class_names(ds, fed.num_classes)
     table = Table(title=f"{cfg.dataset.name} / {cfg.partition.name} {cfg.partition.params() or ''}")
     table.add_column("client", justify="right")
     table.add_column("size", justify="right")
     table.add_column("classes", justify="right")
-    for c in range(fed.num_classes):
-        table.add_column(str(c), justify="right")
+    for name in names:
+        table.add_column(escape(name), justify="right")
     for i, row in enumerate(counts):
         table.add_row(str(i), str(int(row.sum())), str(int((row > 0).sum())), *[str(int(v)) for v in row])
     console.print(table)
@@ -326,8 +342,19 @@ def partition_cmd(
         f"{int(sizes.min())}/{int(sorted(sizes)[len(sizes) // 2])}/{int(sizes.max())} "
         f"global test set: {len(fed.y_test)} ({fed.test_source})"
     )
-    path = plot_label_distribution(counts, plot, title=f"{cfg.dataset.name}: {cfg.partition.name} label split")
+    title = f"{cfg.dataset.name}: {cfg.partition.name} label split"
+    path = plot_label_distribution(counts, plot, title=title, class_names=names)
     console.print(f"plot: {path}")
+    if save is not None:
+        console.print(f"partition: {to_save(cfg, split).save(save)}")
+
+
+def class_names(ds, num_classes: int) -> list[str]:
+    """The dataset's class names where it has one per class, else the class numbers."""
+    names = ds.class_names
+    if names and len(names) == num_classes:
+        return [str(name) for name in names]
+    return [str(c) for c in range(num_classes)]
 
 
 @app.command()
@@ -362,7 +389,6 @@ def report(
     ] = "round",
 ) -> None:
     """Summarise finished (or running) runs: a mean ± std table over seeds and accuracy-vs-round curves."""
-    from fedhet.engine.display import print_warning
     from fedhet.paths import check_folder, check_output_file
     from fedhet.results.html import write_html
     from fedhet.results.plots import PANELS, X_LABELS, plot_curves
@@ -541,10 +567,25 @@ def _fit_text(kind: str, name: str) -> str:
 NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
+def one_line_warnings(default):
+    """``warnings.showwarning`` that prints fedhet's own warnings as one ``warning:`` line (no file, no source line)
+    and leaves the others to ``default``."""
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, FedhetWarning):
+            print_warning(err_console, str(message))
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    return show
+
+
 def main() -> None:
     try:
-        # not standalone: click's usage errors come here, to be printed as one line like fedhet's own
-        code = app(prog_name="fedhet", standalone_mode=False)
+        with warnings.catch_warnings():  # restores showwarning when the command ends
+            warnings.showwarning = one_line_warnings(warnings.showwarning)
+            # not standalone: click's usage errors come here, to be printed as one line like fedhet's own
+            code = app(prog_name="fedhet", standalone_mode=False)
     except NO_ARGS_IS_HELP:  # `fedhet` alone: typer has printed the help
         sys.exit(2)
     except click.ClickException as err:

@@ -31,6 +31,11 @@ class Interrupted(FedhetError):
     """Ctrl-C: training stopped, the last checkpoints are kept; the message says how to continue."""
 
 
+class FedhetWarning(UserWarning):
+    """A warning in fedhet's words (a library's warning reworded, naming fedhet's settings): the CLI prints it as one
+    ``warning:`` line, without the source line Python adds."""
+
+
 def suggestion(name: str, choices: Iterable[str], prefix: str = "") -> str:
     """``"; did you mean 'fedprox'?"`` for the valid name closest to a mistyped ``name`` (difflib's ratio, case
     ignored; ``prefix`` is put before the name shown, e.g. ``train.``), or "" when none is close. Every "unknown X"

@@ -31,6 +31,7 @@ from pydantic import Field
 
 from fedhet.data.datasets import NoParams
 from fedhet.data.types import ArrayDataset, DataError
+from fedhet.errors import ConfigError
 from fedhet.registry import Registry
 
 FEATURE_SKEWS = Registry("feature skew", section="features")
@@ -210,6 +211,13 @@ def noise_skew(ds: ArrayDataset, num_clients: int, sigma: float = 0.1) -> Featur
 
 def _domain_skew(name: str, ds: ArrayDataset, num_clients: int, domains: int, assign: str, **params) -> FeatureSkew:
     _needs_images(name, ds, channels=3 if name == "colour" else None)
+    if domains > num_clients and name != "invert":
+        # a domain without a client trains nobody, and the test set is copied once per domain: a huge K would
+        # build K copies of it before the first round
+        raise ConfigError(
+            f"features.domains={domains} is more than the {num_clients} clients (partition.num_clients): every "
+            f"domain is some client's; use at most {num_clients} domains"
+        )
     names = tuple(str(k) for k in range(domains))
     return FeatureSkew(name, params, names, assign_domains(num_clients, domains, assign))
 

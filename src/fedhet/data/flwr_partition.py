@@ -31,12 +31,14 @@ from pydantic import Field, field_validator, model_validator
 from fedhet import registry
 from fedhet.data.datasets import NoParams
 from fedhet.data.types import DataError
-from fedhet.errors import ConfigError
+from fedhet.errors import ConfigError, FedhetWarning
 
 PREFIX = "flwr."
 INSTALL = "pip install 'fedhet[hf]'"
 # flwr-datasets warns on each redraw before it either succeeds or raises: noise, not news
 RETRY_WARNING = "was not satisfied for alpha"
+# DirichletPartitioner's first draw and its ten redraws
+FLWR_DIRICHLET_DRAWS = 11
 
 
 class FlwrParams(NoParams):
@@ -150,6 +152,10 @@ class Scheme:
     # the constructor's keywords from fedhet's inputs: (params, num_clients, seed, labels, groups) -> kwargs
     kwargs: Callable[..., dict]
     by_groups: bool = False  # partitions the natural ids, not the labels
+    # flwr-datasets' error message -> fedhet's words for it (None: keep its own): (params, num_clients, message)
+    explain: Callable[..., str | None] | None = None
+    # flwr-datasets' warning -> fedhet's words for it: (params, labels, parts, message)
+    reword: Callable[..., str] | None = None
 
 
 def _labelled(n: int, seed: int, **extra) -> dict:
@@ -164,7 +170,24 @@ def _dirichlet(p: DirichletParams, n, seed, labels, groups) -> dict:
     extra = {"min_partition_size": p.min_partition_size, "self_balancing": p.self_balancing}
     if isinstance(p.alpha, list) and len(p.alpha) != n:
         raise ConfigError(f"partitioner 'flwr.dirichlet': alpha holds {len(p.alpha)} values; give one per client ({n})")
+    if n * p.min_partition_size > len(labels):
+        # no draw can succeed: flwr-datasets would redraw its ten times first
+        raise DataError(
+            f"partitioner 'flwr.dirichlet': {n} clients x min_partition_size={p.min_partition_size} = "
+            f"{n * p.min_partition_size} samples, more than the {len(labels)} there are; use fewer clients or a "
+            f"min_partition_size of at most {len(labels) // n}"
+        )
     return _labelled(n, seed, alpha=_alpha(p.alpha), **extra)
+
+
+def _dirichlet_failed(p: DirichletParams, n: int, message: str) -> str | None:
+    if "max number of attempts" not in message:
+        return None
+    return (
+        f"partitioner 'flwr.dirichlet': none of flwr-datasets' {FLWR_DIRICHLET_DRAWS} draws at alpha={p.alpha} gave "
+        f"each of the {n} clients min_partition_size={p.min_partition_size} samples; use a larger alpha, fewer "
+        "clients or a smaller min_partition_size (fedhet's own 'dirichlet' partitioner takes max_tries)"
+    )
 
 
 def _inner_dirichlet(p: InnerDirichletParams, n, seed, labels, groups) -> dict:
@@ -201,13 +224,51 @@ def _size(p: SizeParams, n, seed, labels, groups) -> dict:
 
 
 def _shard(p: ShardParams, n, seed, labels, groups) -> dict:
+    check_shards(p, n, len(labels))
     extra = {"num_shards_per_partition": p.num_shards_per_partition, "shard_size": p.shard_size}
     return _labelled(n, seed, keep_incomplete_shard=p.keep_incomplete_shard, **extra)
+
+
+def check_shards(p: ShardParams, n: int, total: int) -> None:
+    """The shard settings flwr-datasets cannot meet (some divide by zero there), refused with the numbers."""
+    name, k, size = "partitioner 'flwr.shard'", p.num_shards_per_partition, p.shard_size
+    if k is not None and size is None and n * k > total:
+        raise DataError(
+            f"{name}: {n} clients x num_shards_per_partition={k} = {n * k} shards, more than the {total} samples (a "
+            f"shard holds at least one); use fewer clients or shards per client ({total} shards at most)"
+        )
+    if k is not None and size is not None and n * k * size > total:
+        raise DataError(
+            f"{name}: {n} clients x num_shards_per_partition={k} x shard_size={size} = {n * k * size} samples, more "
+            f"than the {total} there are; use a smaller shard_size, fewer shards per client or fewer clients"
+        )
+    if k is None:
+        shards = -(-total // size) if p.keep_incomplete_shard else total // size
+        if shards < n:
+            raise DataError(
+                f"{name}: shard_size={size} cuts the {total} samples into {shards} shards, fewer than the {n} clients; "
+                f"use a shard_size of at most {total // n} or at most {shards} clients"
+            )
 
 
 def _pathological(p: PathologicalParams, n, seed, labels, groups) -> dict:
     k, mode = p.num_classes_per_partition, p.class_assignment_mode
     return _labelled(n, seed, num_classes_per_partition=k, class_assignment_mode=mode)
+
+
+def _unused_classes(p: PathologicalParams, labels, parts, message: str) -> str:
+    if "will NOT be used" not in message:
+        return message
+    classes = np.unique(labels)
+    held = np.unique(labels[np.concatenate(parts)]) if parts else classes[:0]
+    unused = ", ".join(str(c) for c in np.setdiff1d(classes, held))
+    text = f"classes {unused} go to no client ({len(held)} of the {len(classes)} classes are used)"
+    if len(parts) >= len(classes):
+        return f"{text}; partition.class_assignment_mode='first-deterministic' uses every class"
+    return (
+        f"{text}; with partition.num_clients of at least {len(classes)} (the classes), "
+        "partition.class_assignment_mode='first-deterministic' uses every class"
+    )
 
 
 def _distribution(p: DistributionParams, n, seed, labels, groups) -> dict:
@@ -256,6 +317,7 @@ SCHEMES = [
         "Flower Datasets: per class, client shares ~ Dir(alpha)",
         DirichletParams,
         _dirichlet,
+        explain=_dirichlet_failed,
     ),
     Scheme(
         "inner_dirichlet",
@@ -277,6 +339,7 @@ SCHEMES = [
         "Flower Datasets: exactly k classes per client (NIID-Bench)",
         PathologicalParams,
         _pathological,
+        reword=_unused_classes,
     ),
     Scheme(
         "distribution",
@@ -358,6 +421,11 @@ def run(scheme: Scheme, labels, num_clients: int, seed: int, groups, p: FlwrPara
             f"partitioner {name!r} needs a dataset with natural ids (e.g. shakespeare, synthetic, leaf_*, or hf with "
             "dataset.id_column)"
         )
+    if not scheme.by_groups and num_clients > len(labels):
+        raise DataError(
+            f"partitioner {name!r}: {num_clients} clients but only {len(labels)} samples to split (fewer samples "
+            f"than clients); use at most {len(labels)} clients"
+        )
     kwargs = scheme.kwargs(p, num_clients, seed, labels, groups)
     shown: list[str] = []
     with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stderr(io.StringIO()):
@@ -372,18 +440,22 @@ def run(scheme: Scheme, labels, num_clients: int, seed: int, groups, p: FlwrPara
                     f"{num_clients}; set partition.num_clients={count}"
                 )
             parts = [np.sort(np.asarray(partitioner.load_partition(i)["index"], np.int64)) for i in range(count)]
-        except (ValueError, TypeError, AssertionError, KeyError, ZeroDivisionError) as exc:
+        except (ValueError, TypeError, AssertionError, KeyError, IndexError, ZeroDivisionError) as exc:
             if isinstance(exc, DataError):
                 raise
-            raise DataError(f"partitioner {name!r}: {exc or type(exc).__name__}") from None
+            message = " ".join(str(exc).split()) or type(exc).__name__
+            explained = scheme.explain(p, num_clients, message) if scheme.explain else None
+            raise DataError(explained or f"partitioner {name!r}: {message}") from None
     for warning in caught:
         if warning.category is not UserWarning:  # the libraries' deprecation notes are not about the partition
             continue
         text = " ".join(str(warning.message).split())
+        if scheme.reword is not None:
+            text = scheme.reword(p, labels, parts, text)
         if RETRY_WARNING not in text and text not in shown:
             shown.append(text)
     for text in shown:
-        warnings.warn(f"partitioner {name!r}: {text}", UserWarning, stacklevel=3)
+        warnings.warn(f"partitioner {name!r}: {text}", FedhetWarning, stacklevel=3)
     return parts
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from pydantic import BaseModel, Field
 
 from fedhet import registry
-from fedhet.data import flwr_partition
+from fedhet.data import flwr_partition, partition_file
 from fedhet.data.datasets import NoParams
 from fedhet.data.types import DataError
 from fedhet.errors import ConfigError
@@ -51,6 +51,11 @@ class KClassesParams(NoParams):
 class QuantityParams(NoParams):
     sigma: float = Field(1.0, gt=0)
     min_size: int = Field(10, ge=1)
+
+
+class FileParams(NoParams):
+    path: str = Field(min_length=1)  # a partition file written by `fedhet partition --save` (docs/non-iid.md)
+    allow_overlap: bool = False  # let clients share samples (a sample in two clients is refused otherwise)
 
 
 class PowerLawParams(NoParams):
@@ -413,6 +418,14 @@ def natural(labels, num_clients, rng, *, groups=None, **params) -> list[np.ndarr
     pos = np.clip(np.searchsorted(names, groups), 0, len(names) - 1)
     owner = np.where(names[pos] == groups, pos, -1)
     return parts_from_owner(owner, num_clients)
+
+
+@PARTITIONERS.register("file", "the clients of a saved partition (fedhet partition --save), checked", FileParams)
+def from_file(labels, num_clients, rng, *, groups=None, **params) -> list[np.ndarray]:
+    """A partition file's training index sets, after checking that they index these labels (the same count and
+    order), that there are ``num_clients`` of them, in range and (unless ``allow_overlap``) disjoint."""
+    p = parse_params("file", FileParams, params)
+    return partition_file.SavedPartition.load(p.path).client_parts(labels, num_clients, p.allow_overlap)
 
 
 for _scheme in flwr_partition.SCHEMES:

@@ -21,6 +21,8 @@ from fedhet.components import component_registries
 from fedhet.config import RESUMABLE_CHANGES, Config
 from fedhet.data.augment import build_augment
 from fedhet.data.federated import FederatedDataset, federate
+from fedhet.data.partition_file import SavedPartition, fingerprint
+from fedhet.data.types import ArrayDataset
 from fedhet.engine.attack import Attack
 from fedhet.engine.buffered import check_fedbuff
 from fedhet.engine.client import ClientRunner
@@ -180,15 +182,22 @@ def attach_privacy(cfg: Config, algo: Algorithm, flat: FlatModel, fed: Federated
         algo.privacy = LocalDP(cfg.privacy, cfg.train.batch_size)
 
 
-def build_federation(cfg: Config) -> FederatedDataset:
+def load_data(cfg: Config) -> ArrayDataset:
+    """The dataset a config names, with its training subset (``dataset.train_fraction``)."""
     from fedhet.data.datasets import load_dataset
-    from fedhet.data.features import feature_skew
-    from fedhet.data.partition import label_counts, match_test, natural_test, partition
 
     plugins.load(cfg.run.plugins)  # a Flower node builds its data here without resolving the config first
-    ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir, **cfg.dataset.params()).train_subset(
+    return load_dataset(cfg.dataset.name, cfg.dataset.data_dir, **cfg.dataset.params()).train_subset(
         cfg.dataset.train_fraction
     )
+
+
+def partition_of(cfg: Config, ds: ArrayDataset) -> SavedPartition:
+    """The clients' index sets of ``cfg`` over ``ds``: what the partitioner gives (or a partition file holds), and the
+    local test sets dealt from the official test set; with the dataset's fingerprint, as a partition file saves it
+    (``made_by`` is filled in by ``to_save``)."""
+    from fedhet.data.partition import partition
+
     p = cfg.partition
     seed = cfg.run.seed if p.seed is None else p.seed
     labels, groups = ds.y_train, ds.groups_train
@@ -196,29 +205,85 @@ def build_federation(cfg: Config) -> FederatedDataset:
         labels = np.concatenate([ds.y_train, ds.y_test])
         if groups is not None and ds.groups_test is not None:
             groups = np.concatenate([groups, ds.groups_test])
+    current = fingerprint(ds, labels, cfg.dataset.train_fraction, p.merge_test)
+    saved = None
+    if p.name == "file":  # the data must be those it was made from before its indices mean anything
+        saved = SavedPartition.load(p.params()["path"])
+        saved.check_dataset(current)
     parts = partition(p.name, labels, p.num_clients, seed, groups=groups, **p.params())
-    test_parts = None
-    if p.local_test == "matched":
+    test_parts = saved_tests(cfg, ds, saved) if saved is not None else None
+    if test_parts is None:
+        test_parts = local_tests(cfg, ds, parts, groups, seed)
+    return SavedPartition(parts, test_parts, current, saved.made_by if saved else {}, saved.path if saved else None)
+
+
+def local_tests(cfg: Config, ds: ArrayDataset, parts, groups, seed: int) -> list[np.ndarray] | None:
+    """Each client's local test set from the official test set (``partition.local_test`` "matched" or "natural"), or
+    None ("split": a share of its own data, cut when the clients are built)."""
+    from fedhet.data.partition import label_counts, match_test, natural_test
+
+    local_test = cfg.partition.local_test
+    if local_test == "matched":
         if not ds.has_test_set:
             raise ConfigError(f"partition.local_test='matched' needs a test set, and {ds.name!r} has none; use 'split'")
         counts = label_counts(ds.y_train, parts, ds.num_classes)
-        test_parts = match_test(ds.y_test, counts, np.random.default_rng([seed, 0x7E5]))
-    elif p.local_test == "natural":
+        return match_test(ds.y_test, counts, np.random.default_rng([seed, 0x7E5]))
+    if local_test == "natural":
         if ds.groups_test is None or not ds.has_test_set:
             raise ConfigError(
                 f"partition.local_test='natural' needs a dataset with a per-user test split, and {ds.name!r} has "
                 "none (synthetic with dataset.generator='fedbc' has one); use 'split'"
             )
-        test_parts = natural_test(groups, parts, ds.groups_test)
+        return natural_test(groups, parts, ds.groups_test)
+    return None
+
+
+def saved_tests(cfg: Config, ds: ArrayDataset, saved: SavedPartition) -> list[np.ndarray] | None:
+    """A partition file's local test sets, used as they are (None when it has none: partition.local_test decides)."""
+    test_parts = saved.test_parts(len(ds.y_test), bool(cfg.partition.params().get("allow_overlap", False)))
+    if test_parts is not None and cfg.partition.local_test_fraction > 0:
+        raise ConfigError(
+            f"{saved.where} holds each client's local test samples from the official test set; set "
+            "partition.local_test_fraction=0 to use them"
+        )
+    return test_parts
+
+
+def to_save(cfg: Config, split: SavedPartition) -> SavedPartition:
+    """``split`` with the settings it came from (those of the file it was read from, for a partition file)."""
+    if split.made_by:
+        return split
+    from fedhet import __version__
+
+    resolved = resolve_config(cfg)
+    p = cfg.partition
+    made_by = {
+        "dataset": resolved["dataset"],
+        "partition": resolved["partition"],
+        "seed": cfg.run.seed if p.seed is None else p.seed,
+        "fedhet": __version__,
+    }
+    return SavedPartition(split.train, split.test, split.dataset, made_by)
+
+
+def build_federation(
+    cfg: Config, ds: ArrayDataset | None = None, split: SavedPartition | None = None
+) -> FederatedDataset:
+    """The clients' tensors of ``cfg``; ``ds`` and ``split`` (``load_data``, ``partition_of``) when already made."""
+    from fedhet.data.features import feature_skew
+
+    ds = load_data(cfg) if ds is None else ds
+    split = partition_of(cfg, ds) if split is None else split
+    p = cfg.partition
     return federate(
         ds,
-        parts,
+        split.train,
         local_test_fraction=p.local_test_fraction,
         validation_fraction=p.validation_fraction,
         merged=p.merge_test,
-        seed=seed,
+        seed=cfg.run.seed if p.seed is None else p.seed,
         device=cfg.run.device,
-        test_parts=test_parts,
+        test_parts=split.test,
         skew=feature_skew(cfg.features.name, ds, p.num_clients, **cfg.features.params()),
     )
 

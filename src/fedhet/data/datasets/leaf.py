@@ -142,6 +142,8 @@ def load_json(path: Path, manifest: Manifest) -> dict:
         raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except RecursionError:  # json's parser recurses once per bracket; LEAF's files nest three levels deep
+        raise DataError(f"{path}: brackets nested too deeply to read (a LEAF file nests a few levels)") from None
     if not isinstance(obj, dict):
         raise DataError(f"{path}: a {type(obj).__name__} where LEAF writes an object with keys {', '.join(KEYS)}")
     missing = [k for k in KEYS if k not in obj]
