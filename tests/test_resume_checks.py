@@ -178,3 +178,27 @@ def test_the_fingerprint_is_the_provenance_hash(tiny_config):
         sim.eval_fed.fingerprint() == sim.eval_fed.provenance["sha256"]
         and sim.eval_fed.provenance["sha256_of"] == "arrays"
     )
+
+
+def test_a_resume_on_an_edited_partition_file_is_refused(tiny_config, tmp_path):
+    """A saved partition's indices are part of the data a run trains on: moving a sample between clients in the file
+    is refused like changed data, naming the file."""
+    import json
+
+    import fedhet
+
+    path = tmp_path / "clients.json"
+    fedhet.save_partition({"dataset": {"name": "digits"}, "partition": {"name": "iid", "num_clients": 4}}, path)
+
+    def make(rounds):
+        return tiny_config(
+            run={"rounds": rounds, "name": "saved"}, partition={"name": "file", "path": str(path), "num_clients": 4}
+        )
+
+    def move_a_sample():
+        obj = json.loads(path.read_text())
+        obj["clients"][1]["train"].append(obj["clients"][0]["train"].pop())
+        path.write_text(json.dumps(obj))
+
+    message = refused_leaving_it_as_it_was(make, move_a_sample)
+    assert f"or partition file {path}" in message

@@ -61,8 +61,11 @@ class FederatedDataset:
     def fingerprint(self) -> str:
         """The SHA-256 that names the data: the provenance's (the files read, or the loaded arrays; computed once as
         they were loaded), else, for clients built by hand, a hash of every client's and the test set's tensors."""
-        if self.provenance and self.provenance.get("sha256"):
-            return str(self.provenance["sha256"])
+        info = self.provenance or {}
+        if info.get("sha256"):
+            if info.get("partition_sha256"):  # the clients' indices came from a partition file: it counts too
+                return hashlib.sha256(f"{info['sha256']} {info['partition_sha256']}".encode()).hexdigest()
+            return str(info["sha256"])
         digest = hashlib.sha256()
         tensors = [t for c in self.clients for t in (c.x, c.y, c.x_test, c.y_test)] + [self.x_test, self.y_test]
         for i, tensor in enumerate(tensors):
@@ -78,7 +81,10 @@ class FederatedDataset:
         source, files = info.get("source"), info.get("files") or []
         if source and len(files) == 1 and info.get("file_count") == 1:
             source = f"{source.rstrip('/')}/{files[0]}"
-        return f"dataset {self.name!r}" + (f" ({source})" if source else "")
+        text = f"dataset {self.name!r}" + (f" ({source})" if source else "")
+        if info.get("partition_file"):
+            text += f" or partition file {info['partition_file']}"
+        return text
 
     def label_distribution(self) -> np.ndarray:
         """Each client's training label proportions pi^m (rows sum to 1)."""

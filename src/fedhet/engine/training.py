@@ -4,7 +4,9 @@ theirs here, below the round loop (``engine/simulation.py``), so nothing here im
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -275,7 +277,7 @@ def build_federation(
     ds = load_data(cfg) if ds is None else ds
     split = partition_of(cfg, ds) if split is None else split
     p = cfg.partition
-    return federate(
+    fed = federate(
         ds,
         split.train,
         local_test_fraction=p.local_test_fraction,
@@ -286,6 +288,10 @@ def build_federation(
         test_parts=split.test,
         skew=feature_skew(cfg.features.name, ds, p.num_clients, **cfg.features.params()),
     )
+    if split.path is not None:  # a partition file: its indices are part of what the run trains on
+        digest = hashlib.sha256(Path(split.path).read_bytes()).hexdigest()
+        fed.provenance = {**(fed.provenance or {}), "partition_file": str(split.path), "partition_sha256": digest}
+    return fed
 
 
 def algorithm_config(cfg: Config) -> tuple[type[Algorithm], AlgoConfig]:
