@@ -31,12 +31,12 @@ import numpy as np
 import torch
 
 from fedhet.algorithms import Reply
-from fedhet.engine.buffered import buffered_target, fedbuff_concurrency, staleness_weight
+from fedhet.engine.buffered import buffered_statistics, buffered_target, fedbuff_concurrency, staleness_weight
 from fedhet.engine.client import RoundResult
 from fedhet.engine.health import nonfinite
 from fedhet.engine.simulation import Simulation
 from fedhet.engine.system import DROPOUT_STREAM, STRAGGLER_STREAM, SystemModel
-from fedhet.errors import RunFailed
+from fedhet.errors import ConfigError, RunFailed
 from fedhet.toolkit.local import derive_seed
 
 PHASE = "train"
@@ -56,7 +56,7 @@ class Flight:
     lost: str | None = None  # "straggler" (its work dropped) or "dropout" (failed before replying): never trains
     trained: bool = False
     update: torch.Tensor | None = None  # the client's model minus the version it downloaded
-    buffer_update: torch.Tensor | None = None  # the same for the floating buffers (BatchNorm statistics)
+    buffers: torch.Tensor | None = None  # the floating buffers it reported (BatchNorm statistics), not a difference
     reply: Reply | None = None  # the rest of the reply (examples, metrics, other tensors)
     failure: dict[str, Any] | None = None  # trained, failed: its failures.jsonl record; it arrives with no update
 
@@ -68,7 +68,7 @@ class Flight:
             k: getattr(self, k)
             for k in ("cid", "dispatch", "version", "start", "arrival", "steps", "lost", "trained", "failure")
         }
-        out.update(update=self.update, buffer_update=self.buffer_update)
+        out.update(update=self.update, buffers=self.buffers)
         if self.reply is not None:
             r = self.reply
             out["reply"] = {"tensors": r.tensors, "scalars": r.scalars, "num_examples": r.num_examples}
@@ -78,8 +78,13 @@ class Flight:
     @classmethod
     def from_state(cls, state: dict[str, Any], device: torch.device) -> Flight:
         fields = {k: v for k, v in state.items() if k != "reply"}
-        for k in ("update", "buffer_update"):
-            if fields[k] is not None:
+        if fields.pop("buffer_update", None) is not None:  # written before the buffers were kept as reported
+            raise ConfigError(
+                "this FedBuff checkpoint holds BatchNorm statistics as differences, which this fedhet no longer "
+                "applies (they could make a variance negative); start a new run"
+            )
+        for k in ("update", "buffers"):
+            if fields.get(k) is not None:
                 fields[k] = fields[k].to(device)
         reply = state.get("reply")
         if reply is not None:
@@ -253,7 +258,7 @@ class BufferedSimulation(Simulation):
         msgs = SystemModel.limit(msgs, {f.cid: f.steps for f in flights if f.steps is not None})
         replies, failures = self.executor.run_phase(schedule.waves, 0, PHASE, msgs)
         failed = {record["client"]: record for record in failures}
-        x, b = self.algo.global_params, self.algo.global_buffers
+        x = self.algo.global_params
         for flight in flights:
             flight.trained = True
             reply = replies.get(flight.cid)
@@ -261,8 +266,7 @@ class BufferedSimulation(Simulation):
                 flight.failure = {**failed[flight.cid], "dispatch": flight.dispatch}
                 continue
             flight.update = reply.tensors.pop("params") - x
-            if "buffers" in reply.tensors:
-                flight.buffer_update = reply.tensors.pop("buffers") - b
+            flight.buffers = reply.tensors.pop("buffers", None)
             flight.reply = reply
 
     def server_step(self, rnd: int, failures: list[dict[str, Any]]) -> RoundResult:
@@ -280,7 +284,7 @@ class BufferedSimulation(Simulation):
         target = buffered_target(algo.global_params, [f.update for f in buffer], weights)
         algo.global_params = algo.server_opt.step(algo.global_params, target)
         if algo.global_buffers is not None and algo.global_buffers.numel():
-            moved = buffered_target(algo.global_buffers, [f.buffer_update for f in buffer], weights)
+            moved = buffered_statistics(algo.global_buffers, [f.buffers for f in buffer], weights)
             if algo.kept_buffers is not None:
                 moved[algo.kept_buffers] = algo.global_buffers[algo.kept_buffers]
             algo.global_buffers = moved
