@@ -33,9 +33,9 @@ import torch
 from fedhet.algorithms import Reply
 from fedhet.engine.buffered import buffered_statistics, buffered_target, fedbuff_concurrency, staleness_weight
 from fedhet.engine.client import RoundResult
-from fedhet.engine.health import nonfinite
+from fedhet.engine.health import add_losses, describe_losses, nonfinite, training_errors
 from fedhet.engine.simulation import Simulation
-from fedhet.engine.system import DROPOUT_STREAM, STRAGGLER_STREAM, SystemModel
+from fedhet.engine.system import DROPOUT_STREAM, FAILED, STRAGGLER, STRAGGLER_STREAM, SystemModel, loss_phrase
 from fedhet.errors import ConfigError, RunFailed
 from fedhet.toolkit.local import derive_seed
 
@@ -108,6 +108,7 @@ class FedBuffSchedule:
         "stale_sum",
         "stale_n",
         "stale_max",
+        "streak_losses",
     )
 
     def __init__(self, num_clients: int, concurrency: int, seed: int, device: torch.device) -> None:
@@ -118,6 +119,7 @@ class FedBuffSchedule:
         self.waves = 0  # training waves so far
         self.arrivals = 0  # updates that arrived, failed ones too
         self.failed_streak = 0  # arrivals in a row that brought no update
+        self.streak_losses: dict[str, int] = {}  # what took them: a phrase (health.describe_losses) -> how many
         self.lost = 0  # updates the system model dropped (stragglers under "drop", dropouts) since the last evaluation
         # the staleness of the updates that entered a server step since the last evaluation: sum, count, largest
         self.stale_sum, self.stale_n, self.stale_max = 0, 0, 0
@@ -203,13 +205,16 @@ class BufferedSimulation(Simulation):
                 if flight.failure is not None:
                     failures.append({**flight.failure, "round": rnd})
                     self.folder.failures_log.append(failures[-1])
+                    what = training_errors(self.run_dir / "failures.jsonl")
                 else:
                     schedule.lost += 1
+                    what = loss_phrase(self.cfg.system, STRAGGLER if flight.lost == "straggler" else FAILED)
                 schedule.failed_streak += 1
+                schedule.streak_losses = add_losses(schedule.streak_losses, {what: 1})
                 self.check_streak(rnd)
             else:
                 self.buffer.append(flight)
-                schedule.failed_streak = 0
+                schedule.failed_streak, schedule.streak_losses = 0, {}
             full = len(self.buffer) == k
             if full:
                 pending = schedule.untrained()
@@ -297,7 +302,7 @@ class BufferedSimulation(Simulation):
         self.system.time = schedule.clock  # the clock a checkpoint keeps in the system model's place too
         if failures:
             self.display.dropped(rnd, PHASE, failures, len(failures) + len(buffer))
-        self.health.record_round(rnd, [], self.run_dir / "failures.jsonl")
+        self.health.record_round(rnd, [], {})
         self.check_finite(rnd)
         return RoundResult(by_client, failures)
 
@@ -312,8 +317,8 @@ class BufferedSimulation(Simulation):
         limit = self.cfg.run.max_empty_rounds * self.cfg.server.buffer_size
         if self.schedule.failed_streak >= limit:
             raise RunFailed(
-                f"the last {limit} client updates failed (run.max_empty_rounds x server.buffer_size) during server "
-                f"step {rnd}; the errors are in {self.run_dir / 'failures.jsonl'}"
+                f"none of the last {limit} client updates reached the server (run.max_empty_rounds x "
+                f"server.buffer_size) during server step {rnd}; {describe_losses(self.schedule.streak_losses)}"
             )
 
     # ------------------------------------------------------------------ what an evaluation adds
