@@ -242,6 +242,17 @@ def test_a_clock_that_would_overflow_is_refused_with_the_bound(system, words):
     assert words in text and f"more than the {MAX_ROUND_SECONDS:.0e} s a round may last" in text and "\n" not in text
 
 
+def test_a_client_without_data_computes_nothing_whatever_its_speed(monkeypatch):
+    """A log-normal speed can underflow to 0: a client with no samples then computes 0 s, not 0 / 0."""
+    from fedhet.engine import system
+
+    speeds = system.Profiles(np.array([0.0, 10.0]), np.array([1000.0, 1000.0]))
+    monkeypatch.setattr(system, "draw_profiles", lambda *args: speeds)
+    assert model({}, [0, 40]).arrival(0, 1) == pytest.approx(2.0)  # the transfers only
+    with pytest.raises(ConfigError, match=r"client 0 would take inf simulated seconds"):
+        model({}, [8, 40])
+
+
 def test_a_trace_or_tier_that_would_overflow_the_clock_names_what_to_fix(tmp_path):
     path = tmp_path / "trace.csv"
     path.write_text("client,speed,bandwidth,availability\n0,10,1000,1\n1,1e-310,1000,1\n")

@@ -237,8 +237,9 @@ class BufferedSimulation(Simulation):
 
     def plan_work(self, flight: Flight) -> None:
         """The system model's stragglers and dropouts, per dispatch: it is a straggler with probability
-        ``system.stragglers`` (uniform steps in [1, full]; dropped or kept as ``system.straggler_policy`` says), and
-        fails before replying with probability ``system.dropout``; draws from (seed, dispatch index, client)."""
+        ``system.stragglers`` (steps drawn as ``system.straggler_steps`` says; dropped or kept as
+        ``system.straggler_policy`` says), and fails before replying with probability ``system.dropout``; draws
+        from (seed, dispatch index, client)."""
         system, d, cid = self.system, flight.dispatch, flight.cid
         assert system is not None
         settings = system.system

@@ -13,10 +13,11 @@ how long the round lasted (the plan's ``duration``, added to the clock by ``fini
   phase. Its reply arrives after the sum.
 - **A round**: the online clients (always, Bernoulli, a daily cycle on the simulated clock, or the trace's
   probability) are sampled ``clients per round x (1 + over_selection)``; a ``stragglers`` share of them draws a
-  uniform step count in ``[1, full]`` (FedProx's experiment); with ``straggler_policy = "drop"`` stragglers are
-  dropped, with ``"partial"`` they send those steps. A client whose reply would arrive after ``deadline`` is dropped
-  or sends the steps that fit; a ``dropout`` share fails after training. Of the rest, the first ``clients per
-  round`` to arrive are kept (over-selection); the others' work is discarded.
+  uniform step count in ``[1, full]`` (FedProx's experiment), or whole epochs in ``[1, E - 1]`` (its code); with
+  ``straggler_policy = "drop"`` stragglers are dropped, with ``"partial"`` they send those steps. A client whose
+  reply would arrive after ``deadline`` is dropped or sends the steps that fit; a ``dropout`` share fails after
+  training. Of the rest, the first ``clients per round`` to arrive are kept (over-selection); the others' work is
+  discarded.
 - **Duration**: the last kept reply's arrival when the round got its clients per round; otherwise the server also
   waited for the clients that failed (until the deadline, or without one until their reply was due) and the late
   ones (until the deadline).
@@ -282,7 +283,8 @@ class SystemModel:
 
     # ------------------------------------------------------------------ the clock
     def compute_seconds(self, cid: int, steps: int) -> float:
-        return samples_processed(steps, self.sizes[cid], self.cfg.train.batch_size) / float(self.profiles.speed[cid])
+        samples = samples_processed(steps, self.sizes[cid], self.cfg.train.batch_size)
+        return samples / float(self.profiles.speed[cid]) if samples else 0.0  # no data: nothing to compute
 
     def arrival(self, cid: int, steps: int) -> float:
         """Seconds from the round's start until client ``cid``'s reply after ``steps`` local steps arrives."""
@@ -294,7 +296,7 @@ class SystemModel:
         batch = self.cfg.train.batch_size
         work = np.array([samples_processed(f, n, batch) for f, n in zip(self.full, self.sizes, strict=True)], float)
         with np.errstate(all="ignore"):
-            compute = work / self.profiles.speed
+            compute = np.where(work > 0, work / self.profiles.speed, 0.0)  # a client without data computes nothing
             total = compute + self.comm
         slow = np.flatnonzero(~(total <= MAX_ROUND_SECONDS))  # inf and nan too
         if not slow.size:
