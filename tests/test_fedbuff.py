@@ -11,7 +11,7 @@ import torch
 from fedhet.algorithms import Reply
 from fedhet.config import build_config
 from fedhet.engine.asynchronous import BufferedSimulation, Flight
-from fedhet.engine.buffered import buffered_target, fedbuff_refusal, staleness_weight
+from fedhet.engine.buffered import buffered_statistics, buffered_target, fedbuff_refusal, staleness_weight
 from fedhet.engine.runs import build_simulation
 from fedhet.engine.simulation import Simulation
 from fedhet.engine.training import resolve_config
@@ -63,13 +63,52 @@ def test_server_step_is_the_staleness_weighted_buffer_through_the_server_lr(tiny
     sim.schedule.version = 3
     for i, (version, update) in enumerate(zip((3, 2, 0), updates, strict=True)):
         flight = Flight(cid=i, dispatch=i, version=version, start=0.0, arrival=1.0, trained=True, update=update)
-        flight.buffer_update = torch.zeros_like(sim.algo.global_buffers) if sim.algo.global_buffers.numel() else None
+        flight.buffers = sim.algo.global_buffers.clone() if sim.algo.global_buffers.numel() else None
         flight.reply = Reply(num_examples=10 * (i + 1), metrics={"train_loss": 1.0})
         sim.buffer.append(flight)
     sim.server_step(1, [])
     mean = (1.0 * 1.0 + (-2.0) / math.sqrt(2) + 4.0 / 2) / 3  # sum_i s_i Delta_i / K
     torch.testing.assert_close(sim.algo.global_params, x + 0.5 * mean, rtol=0, atol=1e-6)
     assert sim.schedule.version == 4 and not sim.buffer
+
+
+def test_buffered_statistics_by_hand_stay_a_convex_combination():
+    """A running variance of 0.5 now; two buffered clients report 0.1 (downloaded when it was 1.0, staleness 3) and
+    0.3 (staleness 0), weights 1/2 each, polynomial a = 0.5: coefficients 1/4 and 1/2."""
+    c = [0.5 * staleness_weight(3, "polynomial", 0.5), 0.5 * staleness_weight(0, "polynomial", 0.5)]
+    assert c == [0.25, 0.5]
+    out = buffered_statistics(torch.tensor([0.5]), [torch.tensor([0.1]), torch.tensor([0.3])], c)
+    torch.testing.assert_close(out, torch.tensor([0.25 * 0.5 + 0.25 * 0.1 + 0.5 * 0.3]))  # 0.3
+    # the stale difference 0.1 - 1.0 applied to 0.5 would have given 0.5 + 0.25 (-0.9) + 0.5 (-0.2) = 0.175, and
+    # with one buffered client (c = 1) 0.5 - 0.9 = -0.4; the reported statistic gives 0.1
+    assert buffered_statistics(torch.tensor([0.5]), [torch.tensor([0.1])], [1.0]).item() == pytest.approx(0.1)
+    # constant staleness, weights summing to 1: the synchronous rule, the weighted average of what was reported
+    out = buffered_statistics(
+        torch.tensor([9.0, 9.0]), [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])], [0.25, 0.75]
+    )
+    torch.testing.assert_close(out, torch.tensor([2.5, 3.5]))
+    # weights outside the simplex (a plug-in's) are clipped and scaled: never an extrapolation
+    out = buffered_statistics(torch.tensor([1.0]), [torch.tensor([0.0]), torch.tensor([2.0])], [3.0, -1.0])
+    assert out.item() == 0.0
+
+
+def test_fedbuff_keeps_batchnorm_variances_non_negative_after_every_step(tiny_config):
+    """Buffer size 1, six clients in flight, constant staleness: stale clients report statistics of versions long
+    gone. Moving the global statistics by their differences made a running variance negative by step 3 (seed 0)."""
+    cfg = fedbuff_config(
+        tiny_config,
+        run={"rounds": 4, "eval_every": 4},
+        model={"name": "cnn_bn", "channels": [4, 4, 8], "hidden": [16]},
+        server={"buffer_size": 1, "concurrency": 6, "staleness": "constant"},
+        system={"spread": 2.0},
+    )
+    sim = build_simulation(cfg)
+    slices = [s for name, s in sim.flat.buffer_slices().items() if name.endswith("running_var")]
+    lowest: list[float] = []
+    sim.on_round = lambda rnd, record: lowest.append(min(float(sim.algo.global_buffers[s].min()) for s in slices))
+    summary = sim.run()
+    assert summary["status"] == "finished" and len(lowest) == 5  # before the first step, then after each
+    assert slices and min(lowest) >= 0, lowest
 
 
 # ------------------------------------------------------------------ what FedBuff accepts
@@ -202,3 +241,13 @@ def test_fedbuff_kill_and_resume_is_bit_exact(tiny_config, kill_and_resume, stor
     assert stable(r_full) == stable(r_cut) and len(r_cut) == 4
     assert torch.equal(full.algo.global_params, resumed.algo.global_params)
     assert full.schedule.state_dict()["fedbuff"]["dispatched"] == resumed.schedule.state_dict()["fedbuff"]["dispatched"]
+
+
+def test_a_checkpoint_with_batchnorm_differences_is_refused_in_one_line():
+    """Checkpoints written before the statistics were kept as reported hold differences from a version now gone."""
+    state = Flight(cid=0, dispatch=0, version=0, start=0.0, arrival=1.0).state()
+    del state["buffers"]
+    Flight.from_state({**state, "buffer_update": None}, torch.device("cpu"))  # a model without buffers: fine
+    with pytest.raises(ConfigError, match="holds BatchNorm statistics as differences") as err:
+        Flight.from_state({**state, "buffer_update": torch.zeros(3)}, torch.device("cpu"))
+    assert "\n" not in str(err.value)

@@ -7,6 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -15,11 +18,14 @@ import torch
 from fedhet.algorithms.contract import STEP_BUDGET, Message, step_budget
 from fedhet.config import build_config
 from fedhet.engine.checkpoint import read_checkpoint
+from fedhet.engine.runs import build_simulation
 from fedhet.engine.simulation import Simulation, resolve_config
 from fedhet.engine.system import (
     FAILED,
     KEPT,
     LATE,
+    MAX_ROUND_SECONDS,
+    MAX_TRACE_BYTES,
     STRAGGLER,
     SURPLUS,
     SystemModel,
@@ -28,7 +34,7 @@ from fedhet.engine.system import (
     samples_processed,
     steps_within,
 )
-from fedhet.errors import ConfigError
+from fedhet.errors import ConfigError, RunFailed
 
 
 def model(system: dict, sizes: list[int], model_bytes: int = 1000, **train) -> SystemModel:
@@ -130,6 +136,38 @@ def test_trace_is_read_and_bad_traces_are_one_line(tmp_path):
         read_trace(tmp_path / "absent.csv", 2)
 
 
+def refusal(path, num_clients: int = 2) -> str:
+    """read_trace's error, from a thread given 10 s: a trace that blocks the reader fails the test, not the suite."""
+    out: list[str] = []
+
+    def read() -> None:
+        try:
+            read_trace(path, num_clients)
+        except ConfigError as err:
+            out.append(str(err))
+
+    worker = threading.Thread(target=read, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert out, f"read_trace({path}) blocked or raised no ConfigError"
+    assert "\n" not in out[0]
+    return out[0]
+
+
+def test_traces_that_are_not_small_regular_csv_files_are_one_line(tmp_path):
+    long = tmp_path / "long.csv"  # a field beyond the csv module's limit (131072 characters)
+    long.write_text("client,speed,bandwidth,availability\n0,10,1000,1\n1," + "9" * 200_000 + ",1000,1\n")
+    assert "line 3: not a CSV row (field larger than field limit" in refusal(long)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # no writer: reading it would wait forever
+    assert refusal(fifo).endswith("fifo' is a FIFO; it must be a regular CSV file")
+    assert "'/dev/null' is a character device" in refusal("/dev/null")  # /dev/zero too, which would never end
+    huge = tmp_path / "huge.csv"
+    with huge.open("wb") as f:
+        f.truncate(MAX_TRACE_BYTES + 1)  # sparse: refused by its size, never read
+    assert "is larger than 64 MiB, the most a trace" in refusal(huge)
+
+
 # ---------------------------------------------------------------------------------------------------- a round
 def test_stragglers_are_dropped_or_keep_a_uniform_share_of_their_steps():
     sizes = [40] * 10  # 10 steps each
@@ -150,6 +188,29 @@ def test_stragglers_are_dropped_or_keep_a_uniform_share_of_their_steps():
     assert min(counts) == 1 and max(counts) == 10 and abs(np.mean(counts) - 5.5) < 0.2
 
 
+def test_stragglers_can_draw_whole_epochs_as_fedprox_code_does():
+    """straggler_steps = "epochs": randint(1, E) whole epochs (FedProx's trainer), here E = 3: 1 or 2 passes of
+    ceil(40 / 4) = 10 steps, never the full 30."""
+    sm = model(
+        {"stragglers": 1.0, "straggler_policy": "partial", "straggler_steps": "epochs"}, [40] * 10, local_epochs=3
+    )
+    assert sm.full == [30] * 10
+    counts = [c.steps for r in range(1, 41) for c in sm.plan(r, every).clients]
+    assert set(counts) == {10, 20} and abs(counts.count(10) / len(counts) - 0.5) < 0.1
+    uniform = model({"stragglers": 1.0, "straggler_policy": "partial"}, [40] * 10, local_epochs=3)
+    assert len({c.steps for r in range(1, 41) for c in uniform.plan(r, every).clients}) > 2  # the default: any step
+
+
+def test_epoch_stragglers_need_whole_epochs_to_draw_from(tiny_config):
+    epochs = {"profiles": "constant", "stragglers": 0.5, "straggler_steps": "epochs"}
+    for train, got in (({"local_epochs": 1}, "local_epochs=1"), ({"local_epochs": 2.5}, "local_epochs=2.5")):
+        with pytest.raises(ConfigError, match=rf"needs a whole train.local_epochs >= 2 .*\(got train.{got}\)"):
+            resolve_config(tiny_config(train=train, system=epochs))
+    with pytest.raises(ConfigError, match=r"\(got train.local_steps=5\); or use 'uniform'"):
+        resolve_config(tiny_config(train={"local_epochs": 2, "local_steps": 5}, system=epochs))
+    resolve_config(tiny_config(train={"local_epochs": 2}, system=epochs))
+
+
 def test_deadline_drops_late_clients_or_keeps_the_steps_that_fit():
     sizes = [8, 40]  # 2 and 10 steps: arrivals 0.8 + 2 = 2.8 s and 4 + 2 = 6 s
     drop = model({"deadline": 4.0}, sizes).plan(1, every)
@@ -159,6 +220,49 @@ def test_deadline_drops_late_clients_or_keeps_the_steps_that_fit():
     # client 1 has 4 - 2 = 2 s of compute: 20 samples = 5 steps, arriving at 2 + 2 = 4 s
     assert partial.budgets() == {1: 5}
     assert partial.clients[1].arrival == pytest.approx(4.0) and partial.duration == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize(
+    ("system", "words"),
+    [
+        ({"speed": 1e-320}, "computing at 1e-320 samples/s"),
+        ({"bandwidth": 1e-320}, "moving the model at 1e-320 bytes/s"),
+        ({"speed": 1e-12}, "; raise system.speed or system.bandwidth"),
+        ({"profiles": "lognormal", "spread": 400.0}, "or lower system.spread"),
+        ({"latency": 1e300}, "; lower system.latency"),
+    ],
+)
+def test_a_clock_that_would_overflow_is_refused_with_the_bound(system, words):
+    """Speeds or bandwidths near zero made sim/time inf (logged as null) with a numpy overflow warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no RuntimeWarning on the way
+        with pytest.raises(ConfigError) as err:
+            model(system, [40] * 50)
+    text = str(err.value)
+    assert words in text and f"more than the {MAX_ROUND_SECONDS:.0e} s a round may last" in text and "\n" not in text
+
+
+def test_a_client_without_data_computes_nothing_whatever_its_speed(monkeypatch):
+    """A log-normal speed can underflow to 0: a client with no samples then computes 0 s, not 0 / 0."""
+    from fedhet.engine import system
+
+    speeds = system.Profiles(np.array([0.0, 10.0]), np.array([1000.0, 1000.0]))
+    monkeypatch.setattr(system, "draw_profiles", lambda *args: speeds)
+    assert model({}, [0, 40]).arrival(0, 1) == pytest.approx(2.0)  # the transfers only
+    with pytest.raises(ConfigError, match=r"client 0 would take inf simulated seconds"):
+        model({}, [8, 40])
+
+
+def test_a_trace_or_tier_that_would_overflow_the_clock_names_what_to_fix(tmp_path):
+    path = tmp_path / "trace.csv"
+    path.write_text("client,speed,bandwidth,availability\n0,10,1000,1\n1,1e-310,1000,1\n")
+    cfg = build_config({"partition": {"num_clients": 2}, "system": {"profiles": "trace", "trace": str(path)}})
+    with pytest.raises(ConfigError, match=r"client 1 would take .* fix client 1's row in system.trace"):
+        SystemModel(cfg, [8, 8], 1000)
+    tiers = {"profiles": "tiers", "tiers": [[0.5, 10.0, 1e6], [0.5, 1e-300, 1e6]]}
+    cfg = build_config({"partition": {"num_clients": 2}, "system": tiers})
+    with pytest.raises(ConfigError, match=r"1e\+12 s a round may last .*; raise that tier's speed or bandwidth"):
+        SystemModel(cfg, [8, 8], 1000)
 
 
 def test_a_deadline_no_client_can_meet_is_one_line():
@@ -243,6 +347,7 @@ def test_step_budget_caps_the_full_count():
         ({"profiles": "constant", "availability": "trace"}, "needs system.profiles='trace'"),
         ({"profiles": "constant", "online": 0.5}, "system.online applies only with system.availability="),
         ({"profiles": "constant", "straggler_policy": "partial"}, "applies only with system.stragglers > 0"),
+        ({"profiles": "constant", "straggler_steps": "epochs"}, "straggler_steps applies only with system.strag"),
         ({"profiles": "fast"}, "system.profiles"),
     ],
 )
@@ -397,6 +502,46 @@ def test_worker_processes_honour_the_step_budgets(tiny_config):
     (one, p_one), (two, p_two) = run(1), run(2)
     assert one == two and torch.equal(p_one, p_two)
     assert any(r["sim/partial"] for r in one)
+
+
+@pytest.mark.parametrize(
+    ("system", "server", "words"),
+    [
+        ({"dropout": 1.0}, {}, "(run.max_empty_rounds=3); why: 9 updates lost to system.dropout=1"),
+        ({"stragglers": 1.0}, {}, "why: 9 stragglers dropped (system.stragglers=1, straggler_policy='drop')"),
+        (
+            {"dropout": 1.0},
+            {"name": "sgd", "mode": "fedbuff", "buffer_size": 2, "concurrency": 3},
+            "none of the last 6 client updates reached the server (run.max_empty_rounds x server.buffer_size) during "
+            "server step 1; why: 6 updates lost to system.dropout=1",
+        ),
+    ],
+)
+def test_a_run_that_loses_every_update_to_the_system_model_says_so(tiny_config, system, server, words):
+    """No failures.jsonl is written (no client erred), and the error points at none."""
+    sim = build_simulation(
+        tiny_config(system={"profiles": "constant", **system}, **({"server": server} if server else {}))
+    )
+    with pytest.raises(RunFailed) as err:
+        sim.run()
+    assert words in str(err.value) and "failures.jsonl" not in str(err.value), str(err.value)
+    assert not (sim.run_dir / "failures.jsonl").exists()
+
+
+def test_empty_rounds_say_what_took_the_updates():
+    from fedhet.engine.health import RunHealth, describe_losses
+
+    cfg = build_config({"run": {"rounds": 5, "max_empty_rounds": 2}})
+    health = RunHealth(cfg, None, None)
+    health.record_round(1, ["train"], {"updates lost to system.dropout=0.5": 2})
+    health.record_round(2, [], {})  # a round that trained: the count starts again
+    health.record_round(3, ["train"], {"updates lost to system.dropout=0.5": 1, "clients failed while training": 1})
+    with pytest.raises(RunFailed) as err:
+        health.record_round(4, ["train"], {"clients failed while training": 2})
+    assert str(err.value).endswith(
+        "(run.max_empty_rounds=2); why: 1 updates lost to system.dropout=0.5, 3 clients failed while training"
+    )
+    assert describe_losses({}) == "why: no client was sampled"
 
 
 def test_without_a_system_model_nothing_changes(tiny_config):

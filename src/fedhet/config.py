@@ -513,6 +513,9 @@ class SystemSection(_Strict):
     # what happens to a straggler's or a late client's work: "drop" it (FedAvg's practice in the FedProx paper) or
     # keep the "partial" work (what fits before the deadline)
     straggler_policy: Literal["drop", "partial"] = "drop"
+    # a straggler's work: "uniform" local steps in [1, its full count], or "epochs", a uniform whole number of epochs
+    # in [1, train.local_epochs - 1] (FedProx's code: randint(1, E)), which needs whole train.local_epochs >= 2
+    straggler_steps: Literal["uniform", "epochs"] = "uniform"
     # simulated seconds a round lasts at most: a client whose reply would arrive later is dropped, or sends the steps
     # that fit (straggler_policy = "partial"); None: the round waits for every reply
     deadline: float | None = Field(None, gt=0.0)
@@ -557,6 +560,8 @@ class SystemSection(_Strict):
                 raise ValueError(f"system.{key} applies only with system.availability={wanted}")
         if "straggler_policy" in changed and not (self.stragglers or self.deadline):
             raise ValueError("system.straggler_policy applies only with system.stragglers > 0 or system.deadline")
+        if "straggler_steps" in changed and not self.stragglers:
+            raise ValueError("system.straggler_steps applies only with system.stragglers > 0")
         return self
 
     @field_validator("tiers")

@@ -31,12 +31,12 @@ import numpy as np
 import torch
 
 from fedhet.algorithms import Reply
-from fedhet.engine.buffered import buffered_target, fedbuff_concurrency, staleness_weight
+from fedhet.engine.buffered import buffered_statistics, buffered_target, fedbuff_concurrency, staleness_weight
 from fedhet.engine.client import RoundResult
-from fedhet.engine.health import nonfinite
+from fedhet.engine.health import add_losses, describe_losses, nonfinite, training_errors
 from fedhet.engine.simulation import Simulation
-from fedhet.engine.system import DROPOUT_STREAM, STRAGGLER_STREAM, SystemModel
-from fedhet.errors import RunFailed
+from fedhet.engine.system import DROPOUT_STREAM, FAILED, STRAGGLER, STRAGGLER_STREAM, SystemModel, loss_phrase
+from fedhet.errors import ConfigError, RunFailed
 from fedhet.toolkit.local import derive_seed
 
 PHASE = "train"
@@ -56,7 +56,7 @@ class Flight:
     lost: str | None = None  # "straggler" (its work dropped) or "dropout" (failed before replying): never trains
     trained: bool = False
     update: torch.Tensor | None = None  # the client's model minus the version it downloaded
-    buffer_update: torch.Tensor | None = None  # the same for the floating buffers (BatchNorm statistics)
+    buffers: torch.Tensor | None = None  # the floating buffers it reported (BatchNorm statistics), not a difference
     reply: Reply | None = None  # the rest of the reply (examples, metrics, other tensors)
     failure: dict[str, Any] | None = None  # trained, failed: its failures.jsonl record; it arrives with no update
 
@@ -68,7 +68,7 @@ class Flight:
             k: getattr(self, k)
             for k in ("cid", "dispatch", "version", "start", "arrival", "steps", "lost", "trained", "failure")
         }
-        out.update(update=self.update, buffer_update=self.buffer_update)
+        out.update(update=self.update, buffers=self.buffers)
         if self.reply is not None:
             r = self.reply
             out["reply"] = {"tensors": r.tensors, "scalars": r.scalars, "num_examples": r.num_examples}
@@ -78,8 +78,13 @@ class Flight:
     @classmethod
     def from_state(cls, state: dict[str, Any], device: torch.device) -> Flight:
         fields = {k: v for k, v in state.items() if k != "reply"}
-        for k in ("update", "buffer_update"):
-            if fields[k] is not None:
+        if fields.pop("buffer_update", None) is not None:  # written before the buffers were kept as reported
+            raise ConfigError(
+                "this FedBuff checkpoint holds BatchNorm statistics as differences, which this fedhet no longer "
+                "applies (they could make a variance negative); start a new run"
+            )
+        for k in ("update", "buffers"):
+            if fields.get(k) is not None:
                 fields[k] = fields[k].to(device)
         reply = state.get("reply")
         if reply is not None:
@@ -103,6 +108,7 @@ class FedBuffSchedule:
         "stale_sum",
         "stale_n",
         "stale_max",
+        "streak_losses",
     )
 
     def __init__(self, num_clients: int, concurrency: int, seed: int, device: torch.device) -> None:
@@ -113,6 +119,7 @@ class FedBuffSchedule:
         self.waves = 0  # training waves so far
         self.arrivals = 0  # updates that arrived, failed ones too
         self.failed_streak = 0  # arrivals in a row that brought no update
+        self.streak_losses: dict[str, int] = {}  # what took them: a phrase (health.describe_losses) -> how many
         self.lost = 0  # updates the system model dropped (stragglers under "drop", dropouts) since the last evaluation
         # the staleness of the updates that entered a server step since the last evaluation: sum, count, largest
         self.stale_sum, self.stale_n, self.stale_max = 0, 0, 0
@@ -198,13 +205,16 @@ class BufferedSimulation(Simulation):
                 if flight.failure is not None:
                     failures.append({**flight.failure, "round": rnd})
                     self.folder.failures_log.append(failures[-1])
+                    what = training_errors(self.run_dir / "failures.jsonl")
                 else:
                     schedule.lost += 1
+                    what = loss_phrase(self.cfg.system, STRAGGLER if flight.lost == "straggler" else FAILED)
                 schedule.failed_streak += 1
+                schedule.streak_losses = add_losses(schedule.streak_losses, {what: 1})
                 self.check_streak(rnd)
             else:
                 self.buffer.append(flight)
-                schedule.failed_streak = 0
+                schedule.failed_streak, schedule.streak_losses = 0, {}
             full = len(self.buffer) == k
             if full:
                 pending = schedule.untrained()
@@ -227,8 +237,9 @@ class BufferedSimulation(Simulation):
 
     def plan_work(self, flight: Flight) -> None:
         """The system model's stragglers and dropouts, per dispatch: it is a straggler with probability
-        ``system.stragglers`` (uniform steps in [1, full]; dropped or kept as ``system.straggler_policy`` says), and
-        fails before replying with probability ``system.dropout``; draws from (seed, dispatch index, client)."""
+        ``system.stragglers`` (steps drawn as ``system.straggler_steps`` says; dropped or kept as
+        ``system.straggler_policy`` says), and fails before replying with probability ``system.dropout``; draws
+        from (seed, dispatch index, client)."""
         system, d, cid = self.system, flight.dispatch, flight.cid
         assert system is not None
         settings = system.system
@@ -253,7 +264,7 @@ class BufferedSimulation(Simulation):
         msgs = SystemModel.limit(msgs, {f.cid: f.steps for f in flights if f.steps is not None})
         replies, failures = self.executor.run_phase(schedule.waves, 0, PHASE, msgs)
         failed = {record["client"]: record for record in failures}
-        x, b = self.algo.global_params, self.algo.global_buffers
+        x = self.algo.global_params
         for flight in flights:
             flight.trained = True
             reply = replies.get(flight.cid)
@@ -261,8 +272,7 @@ class BufferedSimulation(Simulation):
                 flight.failure = {**failed[flight.cid], "dispatch": flight.dispatch}
                 continue
             flight.update = reply.tensors.pop("params") - x
-            if "buffers" in reply.tensors:
-                flight.buffer_update = reply.tensors.pop("buffers") - b
+            flight.buffers = reply.tensors.pop("buffers", None)
             flight.reply = reply
 
     def server_step(self, rnd: int, failures: list[dict[str, Any]]) -> RoundResult:
@@ -280,7 +290,7 @@ class BufferedSimulation(Simulation):
         target = buffered_target(algo.global_params, [f.update for f in buffer], weights)
         algo.global_params = algo.server_opt.step(algo.global_params, target)
         if algo.global_buffers is not None and algo.global_buffers.numel():
-            moved = buffered_target(algo.global_buffers, [f.buffer_update for f in buffer], weights)
+            moved = buffered_statistics(algo.global_buffers, [f.buffers for f in buffer], weights)
             if algo.kept_buffers is not None:
                 moved[algo.kept_buffers] = algo.global_buffers[algo.kept_buffers]
             algo.global_buffers = moved
@@ -293,7 +303,7 @@ class BufferedSimulation(Simulation):
         self.system.time = schedule.clock  # the clock a checkpoint keeps in the system model's place too
         if failures:
             self.display.dropped(rnd, PHASE, failures, len(failures) + len(buffer))
-        self.health.record_round(rnd, [], self.run_dir / "failures.jsonl")
+        self.health.record_round(rnd, [], {})
         self.check_finite(rnd)
         return RoundResult(by_client, failures)
 
@@ -308,8 +318,8 @@ class BufferedSimulation(Simulation):
         limit = self.cfg.run.max_empty_rounds * self.cfg.server.buffer_size
         if self.schedule.failed_streak >= limit:
             raise RunFailed(
-                f"the last {limit} client updates failed (run.max_empty_rounds x server.buffer_size) during server "
-                f"step {rnd}; the errors are in {self.run_dir / 'failures.jsonl'}"
+                f"none of the last {limit} client updates reached the server (run.max_empty_rounds x "
+                f"server.buffer_size) during server step {rnd}; {describe_losses(self.schedule.streak_losses)}"
             )
 
     # ------------------------------------------------------------------ what an evaluation adds

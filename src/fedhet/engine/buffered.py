@@ -5,8 +5,15 @@ A client trains from the model version it downloaded, version tau, and its updat
 version). It arrives when the server is at version t; the server buffers the updates and, once it holds K of them,
 moves to the target x + sum_i w_i s(t_i - tau_i) Delta_i, where w are the algorithm's aggregation weights over the
 buffer (1/K with FedAvg's ``weighting = "uniform"``: the paper's (1/K) sum_i s_i Delta_i), through the server
-optimiser, so ``sgd``'s ``server.lr`` is the paper's eta_g. The model's floating buffers (BatchNorm statistics) move
-by the same weighted sum of their updates, without the server optimiser."""
+optimiser, so ``sgd``'s ``server.lr`` is the paper's eta_g.
+
+The model's floating buffers (BatchNorm statistics) are not gradients, and the paper's step (over trainable weights)
+says nothing of them. They move, without the server optimiser, toward the statistics each buffered client reported,
+by the same coefficients c_i = w_i s(t_i - tau_i): b + sum_i c_i (b_i - b) = (1 - sum c) b + sum_i c_i b_i, a convex
+combination (sum c <= 1) of the current statistics and the reported ones, so a running variance never goes negative.
+With ``staleness = "constant"`` this is the synchronous rule (the weighted average of the reported statistics).
+A stale *difference* b_i - b(tau_i), measured from the version the client downloaded, would not be: it can take a
+variance that has shrunk since below zero."""
 
 from __future__ import annotations
 
@@ -34,6 +41,19 @@ def buffered_target(x: torch.Tensor, updates: list[torch.Tensor], weights: list[
     for update, weight in zip(updates, weights, strict=True):
         target.add_(update, alpha=weight)
     return target
+
+
+def buffered_statistics(current: torch.Tensor, reported: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """(1 - sum_i c_i) current + sum_i c_i reported_i, with c the weights clipped at 0 and scaled down to sum to at
+    most 1: a convex combination, whatever weights an algorithm gives, so non-negative statistics stay so."""
+    coeffs = [max(0.0, w) for w in weights]
+    total = sum(coeffs)
+    if total > 1.0:
+        coeffs, total = [c / total for c in coeffs], 1.0
+    out = current * max(0.0, 1.0 - total)
+    for stats, coeff in zip(reported, coeffs, strict=True):
+        out.add_(stats, alpha=coeff)
+    return out
 
 
 def owner(cls: type[Algorithm], attr: str) -> type:

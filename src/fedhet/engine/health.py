@@ -20,25 +20,29 @@ class RunHealth:
         self.cfg, self.fed, self.algo = cfg, fed, algo
         self.empty_streak = 0  # rounds in a row in which no client finished (some phase lost every client)
         self.empty_rounds = 0  # and in all
+        self.streak_losses: dict[str, int] = {}  # what took the updates of those rounds: a phrase -> how many
 
-    def record_round(self, rnd: int, empty: list[str], failures: Path) -> None:
-        """Count round ``rnd`` (``empty``: the phases that lost every client). Fails when ``run.max_empty_rounds``
-        rounds in a row were empty, or when the run's last round leaves it with no round that any client finished
-        (a run shorter than the limit must not end "finished" untrained)."""
+    def record_round(self, rnd: int, empty: list[str], losses: dict[str, int]) -> None:
+        """Count round ``rnd`` (``empty``: the phases that lost every client; ``losses``: what took its clients'
+        updates, as ``lost_updates`` phrases them). Fails when ``run.max_empty_rounds`` rounds in a row were empty,
+        or when the run's last round leaves it with no round that any client finished (a run shorter than the limit
+        must not end "finished" untrained); the error says what took the updates."""
         self.empty_streak = self.empty_streak + 1 if empty else 0
         self.empty_rounds += bool(empty)
         if not empty:
+            self.streak_losses = {}
             return
+        self.streak_losses = add_losses(self.streak_losses, losses)
         limit = self.cfg.run.max_empty_rounds
         lost = "" if empty == ["train"] else f" (phase {', '.join(empty)} lost every client)"
-        errors = f"the errors are in {failures}"
+        what = describe_losses(self.streak_losses)
         if self.empty_streak >= limit:
             raise RunFailed(
                 f"no client finished round {rnd}{f' or the {limit - 1} before it' if limit > 1 else ''}{lost} "
-                f"(run.max_empty_rounds={limit}); {errors}"
+                f"(run.max_empty_rounds={limit}); {what}"
             )
         if rnd == self.cfg.run.rounds and self.empty_rounds == rnd:
-            raise RunFailed(f"no client finished any of the run's {rnd} round(s){lost}, so nothing trained; {errors}")
+            raise RunFailed(f"no client finished any of the run's {rnd} round(s){lost}, so nothing trained; {what}")
 
     def start_notes(self) -> list[str]:
         """What the run will not train on or cannot measure, known before it starts: said at the start and kept
@@ -91,11 +95,32 @@ class RunHealth:
         return notes
 
     def state_dict(self) -> dict[str, Any]:
-        return {"empty_streak": self.empty_streak, "empty_rounds": self.empty_rounds}
+        return {
+            "empty_streak": self.empty_streak,
+            "empty_rounds": self.empty_rounds,
+            "streak_losses": dict(self.streak_losses),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.empty_streak = state.get("empty_streak", 0)
         self.empty_rounds = state.get("empty_rounds", self.empty_streak)  # older checkpoints kept only the streak
+        self.streak_losses = dict(state.get("streak_losses", {}))
+
+
+def training_errors(failures: Path) -> str:
+    """The phrase for clients that failed while training (``lost_updates``' counterpart for the executor's)."""
+    return f"clients failed while training (the errors are in {failures})"
+
+
+def add_losses(total: dict[str, int], more: dict[str, int]) -> dict[str, int]:
+    return {**total, **{k: total.get(k, 0) + n for k, n in more.items() if n}}
+
+
+def describe_losses(losses: dict[str, int]) -> str:
+    """What took the updates, in one phrase: "6 updates lost to system.dropout=1, 2 clients failed ..."."""
+    if not losses:
+        return "why: no client was sampled"
+    return "why: " + ", ".join(f"{n} {what}" for what, n in losses.items())
 
 
 def nonfinite(tree: Any, prefix: str = "") -> list[str]:

@@ -25,7 +25,7 @@ from fedhet.engine.client import Executor, RoundResult
 from fedhet.engine.display import RunDisplay
 from fedhet.engine.evaluation import Evaluator
 from fedhet.engine.executors import build_executor, executor_kind
-from fedhet.engine.health import RunHealth, nonfinite
+from fedhet.engine.health import RunHealth, nonfinite, training_errors
 from fedhet.engine.rundir import environment, usable_cores
 from fedhet.engine.runfolder import DISK_FULL, Checks, RunFolder, rounding_changes
 from fedhet.engine.sampling import ClientSampler
@@ -169,8 +169,10 @@ class Simulation:
         self.folder.log_clients(self.plan.record() if self.plan is not None else {"round": rnd, "sampled": cids})
         budgets = self.plan.budgets() if self.plan is not None else {}
         empty: list[str] = []  # the phases that lost every client
+        errors = 0  # clients that failed while training, in failures.jsonl
         for phase_idx, phase in enumerate(self.algo.phases):
             result = self.run_phase(rnd, phase_idx, phase, cids, budgets)
+            errors += len(result.failures)
             for failure in result.failures:
                 self.folder.failures_log.append(failure)
             if result.failures:
@@ -180,10 +182,17 @@ class Simulation:
             bad = nonfinite({"global_params": self.algo.global_params, "global_buffers": self.algo.global_buffers})
             if bad:
                 raise RunFailed(f"round {rnd} ({phase}): the global model became non-finite ({', '.join(bad)})")
-        self.health.record_round(rnd, empty, self.run_dir / "failures.jsonl")
+        self.health.record_round(rnd, empty, self.round_losses(errors) if empty else {})
         if self.system is not None and self.plan is not None:
             self.system.finish(self.plan)
         return result
+
+    def round_losses(self, errors: int) -> dict[str, int]:
+        """What took this round's updates: the system model (its plan) and training errors (failures.jsonl)."""
+        losses = self.system.lost_updates(self.plan) if self.system is not None and self.plan is not None else {}
+        if errors:
+            losses[training_errors(self.run_dir / "failures.jsonl")] = errors
+        return losses
 
     def run_phase(
         self, rnd: int, phase_idx: int, phase: str, cids: list[int], budgets: dict[int, int] | None = None

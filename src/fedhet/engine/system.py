@@ -13,10 +13,11 @@ how long the round lasted (the plan's ``duration``, added to the clock by ``fini
   phase. Its reply arrives after the sum.
 - **A round**: the online clients (always, Bernoulli, a daily cycle on the simulated clock, or the trace's
   probability) are sampled ``clients per round x (1 + over_selection)``; a ``stragglers`` share of them draws a
-  uniform step count in ``[1, full]`` (FedProx's experiment); with ``straggler_policy = "drop"`` stragglers are
-  dropped, with ``"partial"`` they send those steps. A client whose reply would arrive after ``deadline`` is dropped
-  or sends the steps that fit; a ``dropout`` share fails after training. Of the rest, the first ``clients per
-  round`` to arrive are kept (over-selection); the others' work is discarded.
+  uniform step count in ``[1, full]`` (FedProx's experiment), or whole epochs in ``[1, E - 1]`` (its code); with
+  ``straggler_policy = "drop"`` stragglers are dropped, with ``"partial"`` they send those steps. A client whose
+  reply would arrive after ``deadline`` is dropped or sends the steps that fit; a ``dropout`` share fails after
+  training. Of the rest, the first ``clients per round`` to arrive are kept (over-selection); the others' work is
+  discarded.
 - **Duration**: the last kept reply's arrival when the round got its clients per round; otherwise the server also
   waited for the clients that failed (until the deadline, or without one until their reply was due) and the late
   ones (until the deadline).
@@ -31,6 +32,8 @@ from __future__ import annotations
 import csv
 import hashlib
 import math
+import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +54,12 @@ WORK_STREAM = 0x5F8  # a straggler's step count: (seed, round, client, WORK_STRE
 DROPOUT_STREAM = 0x5F9  # (seed, round, client, DROPOUT_STREAM)
 
 TRACE_COLUMNS = ("client", "speed", "bandwidth", "availability")
+# a trace has one short row per client: 64 MiB holds about a million clients, and a larger file (or /dev/zero) is
+# refused before it is read rather than read into memory
+MAX_TRACE_BYTES = 64 * 2**20
+# the longest a client's full round (its local work and the model's transfers) may take on the simulated clock:
+# about 31,700 years, beyond any study; speeds or bandwidths near zero would otherwise overflow the clock to inf
+MAX_ROUND_SECONDS = 1e12
 
 # what happened to a sampled client: its reply is used, or why not
 KEPT, STRAGGLER, LATE, FAILED, SURPLUS = "kept", "straggler", "late", "failed", "surplus"
@@ -82,10 +91,11 @@ def draw_profiles(system: SystemSection, num_clients: int, seed: int) -> Profile
             system.bandwidth * rng.uniform(1 - s, 1 + s, num_clients),
         )
     if system.profiles == "lognormal":
-        return Profiles(
-            system.speed * np.exp(system.spread * rng.standard_normal(num_clients)),
-            system.bandwidth * np.exp(system.spread * rng.standard_normal(num_clients)),
-        )
+        with np.errstate(over="ignore"):  # a huge spread: SystemModel.check_clock refuses what comes out
+            return Profiles(
+                system.speed * np.exp(system.spread * rng.standard_normal(num_clients)),
+                system.bandwidth * np.exp(system.spread * rng.standard_normal(num_clients)),
+            )
     # tiers: a seeded shuffle of the clients, cut by the tiers' shares (rounded; the last tier takes the rest)
     order = rng.permutation(num_clients)
     speed, bandwidth = np.empty(num_clients), np.empty(num_clients)
@@ -101,14 +111,16 @@ def read_trace(path: Path, num_clients: int) -> Profiles:
     """A trace file: the header ``client,speed,bandwidth,availability`` and one row per client 0..N-1 (any order);
     a bad row or a missing client is one ``ConfigError`` naming it."""
     where = f"system.trace {str(path)!r}"
+    data = trace_bytes(path, where)
     try:
-        data = path.read_bytes()
         text = data.decode("utf-8-sig")
-    except OSError as err:
-        raise ConfigError(f"{where} cannot be read: {err.strerror or err}") from None
     except UnicodeDecodeError as err:
         raise ConfigError(f"{where} is not UTF-8 text (byte {err.start})") from None
-    rows = list(csv.reader(text.splitlines()))
+    reader = csv.reader(text.splitlines())
+    try:
+        rows = list(reader)
+    except csv.Error as err:  # a field over the csv module's limit, a stray NUL
+        raise ConfigError(f"{where}, line {reader.line_num}: not a CSV row ({err})") from None
     header = [c.strip() for c in rows[0]] if rows else []
     if tuple(header) != TRACE_COLUMNS:
         raise ConfigError(
@@ -128,6 +140,29 @@ def read_trace(path: Path, num_clients: int) -> Profiles:
         )
     digest = hashlib.sha256(data).hexdigest()
     return Profiles(values[:, 0].copy(), values[:, 1].copy(), values[:, 2].copy(), digest)
+
+
+FILE_KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device"}
+
+
+def trace_bytes(path: Path, where: str) -> bytes:
+    """The trace file's bytes: a regular file of at most ``MAX_TRACE_BYTES``, checked before reading (opened without
+    blocking, so a FIFO is refused rather than waited on)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            info = os.fstat(f.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                kind = FILE_KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
+                raise ConfigError(f"{where} is {kind}; it must be a regular CSV file")
+            data = f.read(MAX_TRACE_BYTES + 1)
+    except OSError as err:
+        raise ConfigError(f"{where} cannot be read: {err.strerror or err}") from None
+    if len(data) > MAX_TRACE_BYTES:
+        raise ConfigError(
+            f"{where} is larger than {MAX_TRACE_BYTES // 2**20} MiB, the most a trace of one row per client may be"
+        )
+    return data
 
 
 def trace_row(row: list[str], line: int, where: str, num_clients: int, seen: np.ndarray) -> int:
@@ -261,19 +296,48 @@ class SystemModel:
         t = cfg.train
         self.full = [num_local_steps(n, t.batch_size, t.local_epochs, t.local_steps) for n in sizes]
         # moving the model down and up once per phase, for each client
-        self.comm = phases * (2 * model_bytes / self.profiles.bandwidth + self.system.latency)
+        with np.errstate(over="ignore", divide="ignore"):  # a bandwidth near zero: check_clock refuses it
+            self.comm = phases * (2 * model_bytes / self.profiles.bandwidth + self.system.latency)
         offsets = np.random.default_rng(derive_seed(self.seed, PROFILE_STREAM, 1)).random(len(sizes))
         self.day_offsets = offsets  # daily availability: where in its day each client is at time 0
         self.time = 0.0  # simulated seconds at the end of the last finished round
+        self.check_clock()
         self.check_deadline()
 
     # ------------------------------------------------------------------ the clock
     def compute_seconds(self, cid: int, steps: int) -> float:
-        return samples_processed(steps, self.sizes[cid], self.cfg.train.batch_size) / float(self.profiles.speed[cid])
+        samples = samples_processed(steps, self.sizes[cid], self.cfg.train.batch_size)
+        return samples / float(self.profiles.speed[cid]) if samples else 0.0  # no data: nothing to compute
 
     def arrival(self, cid: int, steps: int) -> float:
         """Seconds from the round's start until client ``cid``'s reply after ``steps`` local steps arrives."""
         return self.compute_seconds(cid, steps) + float(self.comm[cid])
+
+    def check_clock(self) -> None:
+        """A client whose full round would last longer than ``MAX_ROUND_SECONDS`` (a speed or bandwidth near zero, a
+        huge latency) would overflow the simulated clock: refused, naming the client and the bound."""
+        batch = self.cfg.train.batch_size
+        work = np.array([samples_processed(f, n, batch) for f, n in zip(self.full, self.sizes, strict=True)], float)
+        with np.errstate(all="ignore"):
+            compute = np.where(work > 0, work / self.profiles.speed, 0.0)  # a client without data computes nothing
+            total = compute + self.comm
+        slow = np.flatnonzero(~(total <= MAX_ROUND_SECONDS))  # inf and nan too
+        if not slow.size:
+            return
+        c = int(slow[0])
+        fix = {
+            "tiers": "raise that tier's speed or bandwidth in system.tiers",
+            "trace": f"fix client {c}'s row in system.trace",
+            "constant": "raise system.speed or system.bandwidth",
+        }.get(self.system.profiles, "raise system.speed or system.bandwidth, or lower system.spread")
+        if self.system.latency > MAX_ROUND_SECONDS / 2:
+            fix = "lower system.latency"
+        raise ConfigError(
+            f"system.profiles={self.system.profiles!r}: client {c} would take {total[c]:.3g} simulated seconds a "
+            f"round ({compute[c]:.3g} s computing at {self.profiles.speed[c]:.3g} samples/s, {self.comm[c]:.3g} s "
+            f"moving the model at {self.profiles.bandwidth[c]:.3g} bytes/s with the latency), more than the "
+            f"{MAX_ROUND_SECONDS:.0e} s a round may last on the simulated clock; {fix}"
+        )
 
     def check_deadline(self) -> None:
         """A deadline that no client can meet with even one local step would leave every round empty: refused."""
@@ -330,9 +394,14 @@ class SystemModel:
         return {cids[i] for i in rng.permutation(len(cids))[:count]}
 
     def straggler_steps(self, rnd: int, cid: int, full: int) -> int:
-        """A straggler's local steps: uniform in [1, full] (FedProx's experiment), from (seed, round, client)."""
+        """A straggler's local steps, from (seed, round, client): uniform in [1, full] (FedProx's experiment as its
+        paper states it), or with ``straggler_steps = "epochs"`` a uniform whole number of epochs in [1, E - 1]
+        (FedProx's code), each epoch a pass of ceil(n / B) steps."""
         rng = np.random.default_rng(derive_seed(self.seed, rnd, cid, WORK_STREAM))
-        return int(rng.integers(1, full + 1))
+        if self.system.straggler_steps == "uniform":
+            return int(rng.integers(1, full + 1))
+        per_pass = max(1, math.ceil(self.sizes[cid] / self.cfg.train.batch_size))
+        return int(rng.integers(1, int(self.cfg.train.local_epochs))) * per_pass
 
     def judge(self, rnd: int, client: ClientPlan) -> None:
         """The client's fate under the straggler policy, the deadline and a dropout."""
@@ -370,6 +439,17 @@ class SystemModel:
                 elif c.status == LATE:
                     waited.append(float(deadline))
         plan.duration = max(waited, default=0.0)
+
+    def lost_updates(self, plan: RoundPlan) -> dict[str, int]:
+        """What the system model took from round ``plan``, phrased for a run's error (``health.describe_losses``)."""
+        out: dict[str, int] = {}
+        if not plan.online:
+            out[f"round(s) with no client online (system.availability={self.system.availability!r})"] = 1
+        for client in plan.clients:
+            if client.status in (STRAGGLER, LATE, FAILED):
+                what = loss_phrase(self.system, client.status)
+                out[what] = out.get(what, 0) + 1
+        return out
 
     def finish(self, plan: RoundPlan) -> None:
         """The round is over: the clock moves on by its duration."""
@@ -434,6 +514,15 @@ class SystemModel:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.time = float(state.get("system", {}).get("time", 0.0))
+
+
+def loss_phrase(system: SystemSection, status: str) -> str:
+    """How a run's error names the updates the system model took: dropped stragglers, late replies, dropouts."""
+    if status == STRAGGLER:
+        return f"stragglers dropped (system.stragglers={system.stragglers:g}, straggler_policy='drop')"
+    if status == LATE:
+        return f"replies later than system.deadline={system.deadline:g} s"
+    return f"updates lost to system.dropout={system.dropout:g}"
 
 
 def model_bytes(params: Any, buffers: Any) -> int:

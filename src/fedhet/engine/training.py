@@ -100,6 +100,18 @@ def check_system(cfg: Config) -> None:
     system = cfg.system
     if not system.active:
         return
+    train = cfg.train
+    epochs_ok = train.local_steps is None and float(train.local_epochs).is_integer() and train.local_epochs >= 2
+    if system.straggler_steps == "epochs" and not epochs_ok:
+        given = (
+            f"train.local_steps={train.local_steps}"
+            if train.local_steps
+            else f"train.local_epochs={train.local_epochs:g}"
+        )
+        raise ConfigError(
+            "system.straggler_steps='epochs' draws a straggler's whole epochs in [1, train.local_epochs - 1], which "
+            f"needs a whole train.local_epochs >= 2 and no train.local_steps (got {given}); or use 'uniform'"
+        )
     algo = ALGORITHMS.get(cfg.algorithm.name).obj
     if algo.pools_clients:
         raise ConfigError(
