@@ -184,11 +184,15 @@ def build_federation(cfg: Config) -> FederatedDataset:
     from fedhet.data.datasets import load_dataset
     from fedhet.data.features import feature_skew
     from fedhet.data.partition import label_counts, match_test, natural_test, partition
+    from fedhet.models.fit import loaded_misfit
 
     plugins.load(cfg.run.plugins)  # a Flower node builds its data here without resolving the config first
     ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir, **cfg.dataset.params()).train_subset(
         cfg.dataset.train_fraction
     )
+    wrong = loaded_misfit(cfg.model.name, cfg.model.params(), cfg.dataset.name, cfg.dataset.params(), ds)
+    if wrong:  # known only now, with the data: a Hugging Face dataset's task "auto" found a table, not images
+        raise ConfigError(wrong)
     p = cfg.partition
     seed = cfg.run.seed if p.seed is None else p.seed
     labels, groups = ds.y_train, ds.groups_train
