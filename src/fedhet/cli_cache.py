@@ -86,8 +86,7 @@ def clean_cmd(
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Remove without asking.")] = False,
     data_dir: CacheDirOpt = None,
 ) -> None:
-    """Remove prepared files: all of them, or those matching every filter given (--unused-days, --stale); a run
-    that needs one again prepares it again."""
+    """Remove prepared files: all, or those matching every filter given; a run that needs one prepares it again."""
     from fedhet.data.datasets.prepared import days_unused, describe, entries
     from fedhet.paths import size_text
 

@@ -114,7 +114,7 @@ def hf_modules():
     except ImportError:
         raise DataError(f"dataset 'hf' needs Hugging Face datasets: {INSTALL}") from None
     datasets.disable_progress_bars()
-    # its errors too: each one is re-raised here, and said once, in fedhet's line (``reason``)
+    # its errors too: each one is re-raised here and said once, in fedhet's line (``hub_problem`` gives the cause)
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     return datasets
 
