@@ -330,3 +330,259 @@ def test_a_killed_hf_run_resumes_bit_exact(saved_images, tmp_path, kill_and_resu
     lines = [(s.run_dir / "metrics.jsonl").read_text().splitlines() for s in (full, resumed)]
     strip = [[{k: v for k, v in json.loads(r).items() if k != "elapsed_s"} for r in rows] for rows in lines]
     assert strip[0] == strip[1] and len(strip[0]) == 4
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Issue 44: a damaged prepared file is prepared again; fedhet cache list | clean
+
+
+def prepared_file(tmp_path):
+    (found,) = (tmp_path / "cache" / "huggingface" / "fedhet-prepared").glob("*.npz")
+    return found
+
+
+def damage(path, how):
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "emptied":
+        path.write_bytes(b"")
+    elif how == "bit-flipped data":  # a byte inside the pixels of x_train: zip's CRC-32 catches it
+        with np.load(path) as npz:
+            at = data.index(npz["x_train"].tobytes()[1000:1016]) + 3
+        path.write_bytes(data[:at] + bytes([data[at] ^ 0x04]) + data[at + 1 :])
+    elif how == "bit-flipped header":
+        # x_train's shape (90, 1, 12, 12) becomes (10, 1, 12, 12): numpy reads 10 images and stops before the end
+        # of the member, where zip checks its CRC-32; only the sha256 of the arrays catches it
+        at = data.index(b"'shape': (90, 1, 12, 12)") + len(b"'shape': (")
+        path.write_bytes(data[:at] + bytes([data[at] ^ 0x08]) + data[at + 1 :])
+    else:  # incomplete: a member missing (and the checksum recorded for all of them)
+        with np.load(path) as npz:
+            kept = {k: npz[k] for k in npz.files if k != "x_test"}
+        with open(path, "wb") as f:
+            np.savez(f, **kept)
+
+
+@pytest.mark.parametrize("how", ["truncated", "emptied", "bit-flipped data", "bit-flipped header", "incomplete"])
+def test_a_damaged_prepared_file_is_prepared_again_and_replaced(saved_images, tmp_path, monkeypatch, how):
+    first = load(saved_images, tmp_path)
+    path = prepared_file(tmp_path)
+    damage(path, how)
+    calls = []
+    prepare = huggingface.prepare
+    monkeypatch.setattr(huggingface, "prepare", lambda *a: calls.append(1) or prepare(*a))
+    again = load(saved_images, tmp_path)
+    assert calls == [1] and np.array_equal(again.x_train, first.x_train) and np.array_equal(again.y_test, first.y_test)
+    assert again.extra["notes"][0].startswith(f"dataset 'hf': the prepared file {path} was damaged (")
+    assert again.extra["notes"][0].endswith("); prepared again")
+    third = load(saved_images, tmp_path)  # the replacement is whole: read, not prepared
+    assert calls == [1] and third.extra["notes"] == [] and np.array_equal(third.x_train, first.x_train)
+
+
+def test_a_killed_writes_leftovers_are_removed_and_nothing_else(saved_images, tmp_path):
+    folder = tmp_path / "cache" / "huggingface" / "fedhet-prepared"
+    folder.mkdir(parents=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    key = "0123456789abcdef" * 2
+    killed = folder / f".{key}.npz.{int(dead.stdout)}.tmp"
+    writing = folder / f".{key}.npz.{os.getppid()}.tmp"  # a process still running: its write goes on
+    theirs = [folder / "notes.txt", folder / f".{key}.npz.tmp", folder / "x.npz"]
+    for path in [killed, writing, *theirs]:
+        path.write_bytes(b"partial")
+    load(saved_images, tmp_path)
+    assert not killed.exists() and writing.exists() and all(p.exists() for p in theirs)
+
+
+def invoke_cache(*args, input=None):
+    from typer.testing import CliRunner
+
+    from fedhet.cli import app
+
+    return CliRunner().invoke(app, ["cache", *args], input=input, env={"COLUMNS": "300"})
+
+
+def test_cache_list_names_each_files_dataset_settings_size_and_last_use(saved_images, text_parquet, tmp_path):
+    load(saved_images, tmp_path, image_size=6, id_column="writer")
+    load(text_parquet, tmp_path, label_column="mood")
+    cache = str(tmp_path / "cache")
+    result = invoke_cache("list", "--data-dir", cache)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    images = next(line for line in lines if str(saved_images) in line)
+    assert "id_column=writer, image_size=6" in images and " kB " in images and "(today)" in images
+    assert "label_column=mood" in next(line for line in lines if str(text_parquet) in line)
+    assert lines[-1].startswith("2 file(s), ")
+    assert invoke_cache("list", "--data-dir", str(tmp_path / "empty")).output.startswith("no prepared files in ")
+
+
+def test_cache_clean_removes_what_is_asked_and_only_fedhets_files(saved_images, text_parquet, tmp_path):
+    load(saved_images, tmp_path)
+    old = prepared_file(tmp_path)
+    os.utime(old, (old.stat().st_atime, old.stat().st_mtime - 40 * 86400))  # last used 40 days ago
+    load(text_parquet, tmp_path, label_column="mood")
+    folder, cache = old.parent, str(tmp_path / "cache")
+    (folder / "mine.txt").write_text("not fedhet's")
+    result = invoke_cache("clean", "--data-dir", cache)
+    assert result.exit_code != 0 and "--all, or --unused-days N and/or --stale" in str(result.exception)
+    result = invoke_cache("clean", "--unused-days", "30", "--data-dir", cache, input="n\n")
+    assert result.exit_code == 1 and "nothing removed" in result.output and old.exists()
+    result = invoke_cache("clean", "--unused-days", "30", "--data-dir", cache, input="y\n")
+    assert result.exit_code == 0 and not old.exists() and len(list(folder.glob("*.npz"))) == 1
+    assert f"removed {old.name} ({saved_images}, " in result.output and "freed " in result.output
+    # --stale: a local copy whose files changed can never use its file again
+    text_parquet.write_bytes(text_parquet.read_bytes() + b"\n")
+    result = invoke_cache("clean", "--stale", "--yes", "--data-dir", cache)
+    assert result.exit_code == 0 and not list(folder.glob("*.npz")) and str(text_parquet) in result.output
+    load(saved_images, tmp_path)
+    result = invoke_cache("clean", "--all", "--yes", "--data-dir", cache)
+    assert result.exit_code == 0 and not list(folder.glob("*.npz")) and (folder / "mine.txt").exists()
+
+
+def test_stale_keeps_what_a_current_dataset_uses(saved_images, tmp_path):
+    load(saved_images, tmp_path)
+    result = invoke_cache("clean", "--stale", "--yes", "--data-dir", str(tmp_path / "cache"))
+    assert result.exit_code == 0 and "nothing to remove" in result.output and prepared_file(tmp_path).exists()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Issue 44: what was done to the data is said; bad input is one line in fedhet's words
+
+
+def mixed_images(tmp_path):
+    images = [shape_image(0, 0, 10, "RGB"), shape_image(1, 1, 14, "L"), shape_image(2, 2, 10, "RGBA")]
+    path = tmp_path / "mixed"
+    datasets.Dataset.from_dict({"image": images * 4, "label": [0, 1, 2] * 4}).cast_column(
+        "image", datasets.Image()
+    ).save_to_disk(str(path))
+    return path
+
+
+def test_mixed_modes_become_rgb_and_the_conversion_is_said_and_recorded(tmp_path):
+    ds = load(mixed_images(tmp_path), tmp_path, image_size=10)
+    assert ds.x_train.shape[1:] == (3, 10, 10)
+    what = ds.provenance()["images"]
+    assert what == {
+        "mode": "RGB",
+        "size": [10, 10],
+        "count": 12,
+        "source_modes": {"L": 4, "RGB": 4, "RGBA": 4},
+        "converted": 8,
+        "resized": 4,
+    }
+    assert ds.extra["notes"] == [
+        "dataset 'hf': of its 12 images, 8 converted to RGB (4 L, 4 RGBA; alpha dropped) and 4 resized to 10x10 "
+        "(height x width); dataset.image_mode and image_size choose"
+    ]
+    alpha = load(mixed_images(tmp_path), tmp_path, image_size=10, image_mode="RGBA")
+    assert alpha.x_train.shape[1] == 4 and "alpha dropped" not in alpha.extra["notes"][0]
+    same = load(saved_images_path(tmp_path), tmp_path)
+    assert same.extra["notes"] == [] and same.provenance()["images"]["converted"] == 0
+
+
+def saved_images_path(tmp_path):
+    path = tmp_path / "plain"
+    if not path.exists():
+        datasets.DatasetDict({"train": image_dataset(12), "test": image_dataset(6)}).save_to_disk(str(path))
+    return path
+
+
+def test_a_run_says_what_was_done_to_the_images_and_records_it(tmp_path):
+    raw = hf_run(tmp_path, mixed_images(tmp_path), dataset={"image_size": 10}, model={"name": "mlp", "hidden": [8]})
+    raw["run"]["rounds"] = 1
+    result = fedhet.run(raw)
+    assert any("8 converted to RGB" in w for w in result.summary["warnings"]), result.summary
+    data = json.loads((result.run_dir / "provenance.json").read_text())["data"]
+    assert data["images"]["mode"] == "RGB" and data["images"]["resized"] == 4
+
+
+def test_a_table_with_the_default_model_names_the_fix(tmp_path):
+    path = tmp_path / "table.csv"
+    path.write_text("a,b,label\n" + "".join(f"{i},{i % 7},{i % 2}\n" for i in range(40)))
+    cfg = fedhet.make_config(hf_run(tmp_path, path))
+    assert cfg.model.name == "cnn"  # task "auto": the kind is known only once the data are read
+    with pytest.raises(ConfigError) as info:
+        build_federation(cfg)
+    assert str(info.value).startswith("model 'cnn' cannot take the inputs of dataset 'hf' (tabular, shape (2,)): ")
+    assert "; set -s dataset.task=tabular (its default model is 'mlp') or -m mlp (models that fit: " in str(info.value)
+
+
+def test_a_readers_error_is_said_once_in_fedhets_line(tmp_path, capfd):
+    path = tmp_path / "bad.csv"
+    path.write_text("a,label\n1,0\n2,1,5,6\n")
+    with pytest.raises(DataError) as info:
+        load(path, tmp_path)
+    assert str(info.value) == (
+        f"dataset 'hf': cannot read the local copy {path}: Error tokenizing data. C error: Expected 2 fields in "
+        "line 3, saw 4"
+    )
+    assert "Failed to read" not in capfd.readouterr().err  # datasets' own logger line is silenced
+
+
+def test_no_rows_missing_labels_and_one_class_folders_are_said_in_fedhets_words(tmp_path):
+    header_only = tmp_path / "empty.csv"
+    header_only.write_text("a,label\n")
+    datasets.Dataset.from_dict({"a": [1.0], "label": [0]}).select([]).to_parquet(str(tmp_path / "empty.parquet"))
+    with pytest.raises(DataError, match=rf"^dataset 'hf': the local copy {header_only} has no rows$"):
+        load(header_only, tmp_path)
+    with pytest.raises(DataError, match=r"^dataset 'hf': the local copy .*empty.parquet has no rows$"):
+        load(tmp_path / "empty.parquet", tmp_path)
+    rows = datasets.Dataset.from_dict({"a": [1.0, 2.0, 3.0], "label": [0, 1, 0]})
+    datasets.DatasetDict({"train": rows.select([]), "test": rows}).save_to_disk(str(tmp_path / "no_train"))
+    with pytest.raises(DataError, match=r"^dataset 'hf': the local copy .*no_train has no rows in split 'train'$"):
+        load(tmp_path / "no_train", tmp_path)
+    datasets.DatasetDict({"train": rows, "test": rows.select([])}).save_to_disk(str(tmp_path / "no_test"))
+    with pytest.raises(DataError, match=r"^dataset 'hf': the local copy .*no_test has no rows in split 'test'$"):
+        load(tmp_path / "no_test", tmp_path)
+    in_memory = datasets.DatasetDict({"train": rows, "test": rows.select([])})  # a hub dataset's empty split
+    with pytest.raises(DataError, match=r"the test split 'test' has no rows; set dataset.test_split=none to hold out"):
+        huggingface.splits(in_memory, huggingface.HFParams(path="x"))
+    nan = tmp_path / "nan.csv"
+    nan.write_text("a,label\n1,0\n2,\n3,1\n4,\n5,1\n")
+    with pytest.raises(DataError) as info:
+        load(nan, tmp_path)
+    assert str(info.value) == (
+        "dataset 'hf': label column 'label' has 2 missing label(s) in the training split (empty or NaN; the first in "
+        "row 1, counting from 0); fill them in or drop those rows first"
+    )
+    folder = tmp_path / "cats" / "cat"
+    folder.mkdir(parents=True)
+    for i in range(4):
+        shape_image(0, i).save(folder / f"{i}.png")
+    with pytest.raises(DataError, match=r"gives no labels: its images are all in one folder, 'cat'; a classifier "):
+        load(tmp_path / "cats", tmp_path)
+    one = tmp_path / "one.csv"
+    one.write_text("a,label\n1,3\n2,3\n3,3\n")
+    with pytest.raises(DataError, match=r"label column 'label' holds 1 class\(es\) \(3\); a classifier needs at least"):
+        load(one, tmp_path)
+
+
+def test_an_image_column_that_holds_no_images_is_one_line(saved_images, tmp_path):
+    with pytest.raises(DataError) as info:
+        load(saved_images, tmp_path, image_column="label")
+    assert str(info.value) == (
+        "dataset 'hf': column 'label' (dataset.image_column) holds ClassLabel values, not images (an Image column, "
+        "or file paths or bytes); its Image columns: image"
+    )
+    with pytest.raises(DataError, match=r"column 'writer' \(dataset.image_column\), training sample 0: unreadable"):
+        load(saved_images, tmp_path, image_column="writer", label_column="label")
+
+
+def test_a_label_column_of_lists_is_refused_naming_it(tmp_path):
+    path = tmp_path / "lists.parquet"
+    datasets.Dataset.from_dict({"a": [1.0, 2, 3, 4], "tags": [[0], [1], [0, 1], [1]]}).to_parquet(str(path))
+    with pytest.raises(DataError, match=r"^dataset 'hf': label column 'tags' holds lists \(several labels per sample"):
+        load(path, tmp_path, label_column="tags")
+
+
+def test_images_too_large_for_memory_are_refused_before_any_is_decoded(saved_images, tmp_path, monkeypatch):
+    monkeypatch.setattr(huggingface, "images", lambda *a: pytest.fail("decoded"))
+    with pytest.raises(DataError) as info:
+        load(saved_images, tmp_path, image_size=100000)  # 120 images of 10^10 pixels: 6 TB
+    message = str(info.value)
+    assert message.startswith("dataset 'hf': 120 images of 1 x 100000 x 100000 values (dataset.image_size) need 6 TB")
+    assert "; set a smaller dataset.image_size" in message
+    from fedhet.engine import memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda device: (10**9, "available (a test)"))
+    with pytest.raises(DataError, match=r"need 2.4 GB in memory \(uint8 arrays and their float32 copy\), but this "):
+        load(saved_images, tmp_path, image_size=2000)

@@ -1,4 +1,4 @@
-"""The ``fedhet`` command line: run, compare, demo, partition, report, list."""
+"""The ``fedhet`` command line: run, compare, demo, partition, report, list, cache, flower."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from fedhet import api
+from fedhet.cli_cache import cache_app
 from fedhet.cli_shared import (
     ANY_COMMAND,
     BUILDING_CONFIG,
@@ -58,6 +59,7 @@ app = typer.Typer(
     **SUGGEST_COMMANDS,
 )
 app.add_typer(flower_app, name="flower")  # fedhet flower app | simulate | export (fedhet.flower.cli)
+app.add_typer(cache_app, name="cache")  # fedhet cache list | clean: Hugging Face datasets' prepared arrays
 
 
 # compare's options that `fedhet demo` passes through to it

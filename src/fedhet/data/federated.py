@@ -25,6 +25,7 @@ class FederatedDataset:
     pad_value: tuple[float, ...] | None = None  # a black pixel after normalisation, per channel (augmentation fill)
     white_value: tuple[float, ...] | None = None  # a white pixel after normalisation (the backdoor attack's trigger)
     provenance: dict | None = None  # where the data came from (files, hash), for the run folder's provenance.json
+    notes: tuple[str, ...] = ()  # what loading did to the data that the user should hear of (shown when a run starts)
     # feature skew with domains (data/features.py): the domain of each global test sample (on the CPU), the domains'
     # names, and each client's domain (empty for natural domains, whose clients may span several)
     test_domains: torch.Tensor | None = None
@@ -212,6 +213,7 @@ def federate(
         pad_value=black_value(ds),
         white_value=white_value(ds),
         provenance=ds.provenance(),
+        notes=tuple(ds.extra.get("notes", ())),
         **inputs.domains(test_domains),
     )
 

@@ -47,10 +47,10 @@ class RunHealth:
     def start_notes(self) -> list[str]:
         """What the run will not train on or cannot measure, known before it starts: said at the start and kept
         in summary.json, so a run that trains on (almost) nothing never ends as if it had trained."""
+        notes = list(self.fed.notes)  # what loading did to the data (images converted, a damaged cache)
         sizes = [len(c.y) for c in self.fed.clients]
         if not any(sizes):
-            return []  # the data are on the nodes (Flower)
-        notes = []
+            return notes  # the data are on the nodes (Flower)
         idle = sum(n == 0 for n in sizes)
         if idle:
             notes.append(f"{idle} of {len(sizes)} clients hold no training samples and drop out whenever sampled")

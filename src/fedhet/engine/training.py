@@ -199,11 +199,16 @@ def attach_privacy(cfg: Config, algo: Algorithm, flat: FlatModel, fed: Federated
 def load_data(cfg: Config) -> ArrayDataset:
     """The dataset a config names, with its training subset (``dataset.train_fraction``)."""
     from fedhet.data.datasets import load_dataset
+    from fedhet.models.fit import loaded_misfit
 
     plugins.load(cfg.run.plugins)  # a Flower node builds its data here without resolving the config first
-    return load_dataset(cfg.dataset.name, cfg.dataset.data_dir, **cfg.dataset.params()).train_subset(
+    ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir, **cfg.dataset.params()).train_subset(
         cfg.dataset.train_fraction
     )
+    wrong = loaded_misfit(cfg.model.name, cfg.model.params(), cfg.dataset.name, cfg.dataset.params(), ds)
+    if wrong:  # known only now, with the data: a Hugging Face dataset's task "auto" found a table, not images
+        raise ConfigError(wrong)
+    return ds
 
 
 def partition_of(cfg: Config, ds: ArrayDataset) -> SavedPartition:

@@ -160,3 +160,35 @@ def vocabulary_problem(model: str, model_params: dict[str, Any], dataset_params:
     if embedding >= vocab:
         return None
     return f"its embedding takes {embedding} token ids, the dataset {vocab}: set model.vocab_size={vocab}"
+
+
+def loaded_misfit(
+    model: str, model_params: dict[str, Any], dataset: str, dataset_params: dict[str, Any], ds
+) -> str | None:
+    """One line when ``model`` cannot take the inputs of ``ds``, the dataset as loaded, whose kind of input the config
+    could not know (a Hugging Face dataset with ``task = "auto"``), naming the settings that fix it; None when it
+    can, or for any other dataset (a known input was checked with the config, by ``misfit``; a plug-in's inputs are
+    left to its model)."""
+    from fedhet.models import MODELS
+
+    if model not in MODELS or str(dataset).lower() not in BY_TASK or dataset_input(dataset, dataset_params) is not None:
+        return None
+    task, shape = str(ds.task), tuple(ds.input_shape)
+    try:
+        problem = why_not(model, task, shape, model_params)
+    except Exception:  # a plug-in model that cannot be built on the meta device: building it for real decides
+        return None
+    if problem is None:
+        return None
+    good = fitting_models(task, shape)
+    kind = {"sequence": "text"}.get(task, task)
+    by_task = BY_TASK.get(str(dataset).lower(), {})
+    fixes = [f"-m {by_task.get(kind, good[0])}"] if good else []
+    if kind in by_task:
+        fixes.insert(0, f"-s dataset.task={kind} (its default model is {by_task[kind]!r})")
+    name = MODELS.get(model).name
+    return (
+        f"model {name!r} cannot take the inputs of dataset {dataset!r} ({kind}, shape {shape}): "
+        f"{problem.removeprefix(f'model {name!r} ')}; set {' or '.join(fixes) or 'a model that fits them'}"
+        f" (models that fit: {', '.join(good) or 'none'})"
+    )

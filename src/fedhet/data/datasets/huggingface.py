@@ -10,13 +10,15 @@ tensors in ``huggingface/fedhet-prepared/``; without one, Hugging Face's own cac
 Columns are found by name (``label_column``, ``image_column``, ``text_column``, ``feature_columns``, ``id_column``),
 else by type where that is unambiguous (the one ``ClassLabel``, else the one column called label, labels, target, class
 or y; the one ``Image`` column; the one string column); otherwise one error lists the columns. Images keep their
-channels (grey, grey+alpha, colour, colour+alpha; mixed modes become the widest) and may be resized to a fixed
-size; text becomes token ids over a vocabulary of the training split (characters or words; 0 = padding, 1 =
-unknown), left-padded or cut to ``seq_len`` so that the last step, which the LSTM reads, is the text's last token;
-tabular data are the numeric columns, standardised with the training split's mean and std. The dataset's own test
-split is used where it has one, else a seeded ``test_fraction`` of the training split (recorded in the
-provenance). The prepared arrays are cached under a key of the splits' fingerprints, a local copy's file hashes and
-every preprocessing setting, so a second run reads one file.
+channels (grey, grey+alpha, colour, colour+alpha; mixed modes become colour if any image is, with alpha only if every
+image has it, so RGBA among RGB or L images loses its alpha) and may be resized to a fixed size (the mode, size and
+how many images were converted or resized are recorded in the provenance and said when a run starts); text becomes
+token ids over a vocabulary of the training split (characters or words; 0 = padding, 1 = unknown), left-padded or cut
+to ``seq_len`` so that the last step, which the LSTM reads, is the text's last token; tabular data are the numeric
+columns, standardised with the training split's mean and std. The dataset's own test split is used where it has one,
+else a seeded ``test_fraction`` of the training split (recorded in the provenance). The prepared arrays are cached
+under a key of the splits' fingerprints, a local copy's file hashes and every preprocessing setting, so a second run
+reads one file (``prepared.py``: checked on every read, prepared again when damaged; ``fedhet cache list | clean``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import Field, model_validator
 
+from fedhet.data.datasets import prepared
 from fedhet.data.datasets.base import DATASETS, NoParams, channel_stats
 from fedhet.data.datasets.files import Manifest, explicit_location, os_problem, read_file
 from fedhet.data.types import ArrayDataset, DataError
@@ -51,7 +54,10 @@ WORDS = re.compile(r"[\w']+|[.,!?;]")
 BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "json"}
 GREY, GREY_ALPHA = {"1", "L", "I", "I;16", "I;16B", "I;16L", "F"}, {"LA", "La"}
 ALPHA = {"LA", "La", "RGBA", "RGBa", "PA"}
-CACHE_VERSION = 1  # bump when the prepared arrays of the same settings change
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
+IMAGE_KINDS = ("Image", "string", "binary", "large_binary")  # an Image feature, or a column of paths or bytes
+# the bytes a prepared image costs in memory per pixel and channel: the uint8 arrays and their float32 copy
+BYTES_PER_VALUE = 1 + 4
 
 
 class HFParams(NoParams):
@@ -79,7 +85,8 @@ class HFParams(NoParams):
     domain_column: str | None = None
     # resize every image to this (an int: a square; [height, width]); None keeps the size, which must then be one
     image_size: int | tuple[int, int] | None = None
-    # channels: "auto" keeps them (grey stays 1 channel, colour 3, with alpha 2 or 4; mixed modes become the widest)
+    # channels: "auto" keeps them (grey stays 1 channel, colour 3, with alpha 2 or 4); mixed modes: colour if any image
+    # is colour, alpha only if every image has it (RGBA with RGB or L becomes RGB: the alpha channel is dropped)
     image_mode: Literal["auto", "L", "LA", "RGB", "RGBA"] = "auto"
     tokens: Literal["char", "word"] = "char"  # text: a token is a character, or a word (LEAF's split)
     seq_len: int = Field(80, ge=1)  # text: tokens per sample (the first seq_len; shorter ones left-padded with 0)
@@ -107,7 +114,8 @@ def hf_modules():
     except ImportError:
         raise DataError(f"dataset 'hf' needs Hugging Face datasets: {INSTALL}") from None
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    # its errors too: each one is re-raised here and said once, in fedhet's line (``hub_problem`` gives the cause)
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     return datasets
 
 
@@ -208,7 +216,11 @@ def open_hub(p: HFParams, cache_dir: Path | None):
     return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
 
 
-def hub_problem(exc: Exception) -> str:
+def hub_problem(exc: BaseException) -> str:
+    """The first cause of ``exc`` in one line: datasets wraps a reader's error (a CSV line with too many fields) in
+    one that says only "An error occurred while generating the dataset"."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) < 300 else text[:297] + "..."
 
@@ -223,6 +235,11 @@ def open_dataset(p: HFParams, data_dir) -> tuple[Any, Path | None]:
         except DataError:
             raise
         except Exception as exc:
+            if "corresponds to no data" in str(exc):  # datasets' words for a file with a header and no rows
+                raise DataError(f"dataset 'hf': the local copy {path} has no rows") from None
+            empty = saved_without_rows(path)
+            if empty is not None:  # load_from_disk fails on it with an IndexError
+                raise DataError(f"dataset 'hf': the local copy {path} has no rows in {empty}") from None
             raise DataError(f"dataset 'hf': cannot read the local copy {path}: {hub_problem(exc)}") from None
     if not looks_like_hub_id(p.path):
         raise DataError(
@@ -230,6 +247,19 @@ def open_dataset(p: HFParams, data_dir) -> tuple[Any, Path | None]:
             "at a local copy or a hub dataset"
         )
     return open_hub(p, cache_dir), None
+
+
+def saved_without_rows(path: Path) -> str | None:
+    """The split (``split 'train'``, or ``its one split``) of a ``save_to_disk`` folder that was saved with no
+    rows, else None."""
+    states = {f"split {p.parent.name!r}": p for p in sorted(path.glob("*/state.json"))} if path.is_dir() else {}
+    if path.is_dir() and (path / "state.json").is_file():
+        states = {"its one split": path / "state.json"}
+    for name, state in states.items():
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            if json.loads(state.read_text()).get("_data_files") == []:
+                return name
+    return None
 
 
 def local_manifest(path: Path) -> Manifest:
@@ -241,6 +271,30 @@ def local_manifest(path: Path) -> Manifest:
         if not any(part.startswith(".") for part in f.relative_to(root).parts):
             manifest.record(f, read_file(f) if f.stat().st_size else b"")
     return manifest
+
+
+def unlabelled_folder(path: Path, features, p: HFParams) -> None:
+    """One line when an image folder gave no labels: datasets labels its images by their folders only when there
+    are two or more, all at one depth."""
+    if p.label_column is not None or not any(kind(f) == "Image" for f in features.values()):
+        return
+    if any(kind(f) == "ClassLabel" or n.lower() in LABEL_NAMES for n, f in features.items()):
+        return
+    found = [f.relative_to(path) for f in path.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES]
+    found = [f for f in found if not any(part.startswith(".") for part in f.parts)]
+    folders = sorted({f.parent.name for f in found if len(f.parts) > 1})
+    if len({len(f.parts) for f in found}) > 1:
+        why = "its images lie at different depths (some in class folders, some not)"
+    elif len(folders) == 1:
+        why = f"its images are all in one folder, {folders[0]!r}"
+    elif not folders:
+        why = "its images are in no class folders"
+    else:
+        return
+    raise DataError(
+        f"dataset 'hf': the image folder {path} gives no labels: {why}; a classifier needs a folder per class, two or "
+        "more, all at one depth (class/img.png, or train/class/img.png and test/class/img.png)"
+    )
 
 
 def splits(dd, p: HFParams) -> tuple[Any, Any, str]:
@@ -255,9 +309,16 @@ def splits(dd, p: HFParams) -> tuple[Any, Any, str]:
         test = "test" if "test" in dd and p.train_split != "test" else None
     elif test is not None and test not in dd:
         raise DataError(f"dataset 'hf': no split {test!r} (dataset.test_split); its splits: {', '.join(names)}")
+    if not len(dd[p.train_split]):
+        raise DataError(f"dataset 'hf': the training split {p.train_split!r} has no rows")
     if test is None:
         how = f"test_fraction {p.test_fraction} of split {p.train_split!r}, split_seed {p.split_seed}"
         return dd[p.train_split], None, how
+    if not len(dd[test]):
+        raise DataError(
+            f"dataset 'hf': the test split {test!r} has no rows; set dataset.test_split=none to hold out "
+            "dataset.test_fraction of the training split instead"
+        )
     return dd[p.train_split], dd[test], f"split {test!r}"
 
 
@@ -325,6 +386,12 @@ def columns(features, p: HFParams) -> dict[str, Any]:
     if task == "image":
         column = need_column(features, "image_column", p.image_column)
         column = column or only(features, "image_column", "Image", [n for n, f in rest.items() if kind(f) == "Image"])
+        if kind(features[column]) not in IMAGE_KINDS:
+            images = [n for n, f in features.items() if kind(f) == "Image"]
+            raise DataError(
+                f"dataset 'hf': column {column!r} (dataset.image_column) holds {kind(features[column])} values, not "
+                f"images (an Image column, or file paths or bytes); its Image columns: {', '.join(images) or 'none'}"
+            )
         return {"label": label, "id": ident, "domain": domain, "task": task, "input": column}
     if task == "text":
         column = need_column(features, "text_column", p.text_column)
@@ -355,6 +422,11 @@ def guess_task(features, rest: dict, p: HFParams) -> str:
 def encode_labels(train, test, column: str) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """Labels as 0..K-1 and the class names: a ClassLabel's own, else the sorted distinct values of both splits."""
     feature = train.features[column]
+    if kind(feature) == "list":
+        raise DataError(
+            f"dataset 'hf': label column {column!r} holds lists (several labels per sample); a label is one class "
+            "per sample: set dataset.label_column to a column of single classes"
+        )
     y_train, y_test = values(train, column), values(test, column)
     if kind(feature) == "ClassLabel":
         names = list(feature.names)
@@ -364,17 +436,41 @@ def encode_labels(train, test, column: str) -> tuple[np.ndarray, np.ndarray, lis
                 raise DataError(
                     f"dataset 'hf': label column {column!r} holds {bad[0]}, not a class 0 to {len(names) - 1}"
                 )
-        return y_train.astype(np.int64), y_test.astype(np.int64), names
+        return y_train.astype(np.int64), y_test.astype(np.int64), one_class_check(column, names)
     both = np.concatenate([y_train, y_test]) if len(y_test) else y_train
     if both.dtype.kind == "f" and not np.all(np.round(both) == both):
         raise DataError(f"dataset 'hf': label column {column!r} holds fractions; labels must be classes")
     if both.dtype.kind not in "iufUSOb":
         raise DataError(f"dataset 'hf': label column {column!r} holds {both.dtype} values; labels must be classes")
-    if both.dtype.kind == "O" and any(v is None for v in both):
-        raise DataError(f"dataset 'hf': label column {column!r} has missing labels")
     classes, ids = np.unique(both, return_inverse=True)
     names = [str(c.item() if hasattr(c, "item") else c) for c in classes]
+    names = one_class_check(column, names)
     return ids[: len(y_train)].astype(np.int64), ids[len(y_train) :].astype(np.int64), names
+
+
+def missing_labels(column: str, labels: np.ndarray, split: str) -> None:
+    """One line naming the first missing label (None, NaN: an empty cell of a CSV file) and how many there are."""
+    if labels.dtype.kind == "f":
+        missing = np.isnan(labels)
+    elif labels.dtype.kind == "O":
+        missing = np.array([v is None or (isinstance(v, float) and v != v) for v in labels], bool)
+    else:
+        return
+    if missing.any():
+        raise DataError(
+            f"dataset 'hf': label column {column!r} has {int(missing.sum())} missing label(s) in the {split} split "
+            f"(empty or NaN; the first in row {int(np.argmax(missing))}, counting from 0); fill them in or drop those "
+            "rows first"
+        )
+
+
+def one_class_check(column: str, names: list[str]) -> list[str]:
+    if len(names) < 2:
+        raise DataError(
+            f"dataset 'hf': label column {column!r} holds {len(names)} class(es) ({', '.join(names) or 'none'}); a "
+            "classifier needs at least two"
+        )
+    return names
 
 
 def values(ds, column: str) -> np.ndarray:
@@ -398,6 +494,9 @@ def encode_ids(train, test, column: str | None) -> tuple[np.ndarray | None, np.n
 
 
 def target_mode(modes: set[str], wanted: str) -> str:
+    """``wanted``, or with "auto": colour (RGB) when any image is colour, else grey (L), with alpha (RGBA, LA)
+    only when every image has alpha; images without alpha are not given an opaque one, and converting one with
+    alpha to a mode without drops the alpha channel (transparent pixels keep their colour)."""
     if wanted != "auto":
         return wanted
     colour = any(m not in GREY | GREY_ALPHA for m in modes)
@@ -422,51 +521,117 @@ def open_image(item, where: str):
 def raw_images(ds, column: str) -> list:
     """The column's images undecoded (bytes or paths), so their modes can be read before any is decoded."""
     datasets = hf_modules()
-    return ds.cast_column(column, datasets.Image(decode=False))[column] if ds is not None else []
+    if ds is None:
+        return []
+    try:
+        return ds.cast_column(column, datasets.Image(decode=False))[column]
+    except Exception as exc:  # Arrow's cast errors have no common base
+        raise DataError(
+            f"dataset 'hf': column {column!r} (dataset.image_column) cannot be read as images: {hub_problem(exc)}"
+        ) from None
 
 
-def images(items: list, mode: str, size: tuple[int, int] | None, split: str) -> np.ndarray:
-    """uint8 NCHW of the images in ``mode``, resized to ``size`` (height, width) when given."""
+def headers(items: list, split: str, column: str) -> list[tuple[str, tuple[int, int]]]:
+    """Each image's mode and (height, width), read from its header (no pixel is decoded)."""
+    out = []
+    for i, item in enumerate(items):
+        img = open_image(item, f"column {column!r} (dataset.image_column), {split} sample {i}")
+        out.append((img.mode, (img.size[1], img.size[0])))
+        img.close()
+    return out
+
+
+def images(items: list, mode: str, size: tuple[int, int], split: str) -> np.ndarray:
+    """uint8 NCHW of the images in ``mode``, resized to ``size`` (height, width) where they differ from it."""
     from PIL import Image
 
-    channels = len(mode)
-    out = None
+    out = np.empty((len(items), len(mode), *size), np.uint8)
     for i, item in enumerate(items):
         with contextlib.ExitStack() as stack:
             img = open_image(item, f"{split} sample {i}")
             stack.callback(img.close)
             try:
                 img = img.convert(mode)
-                if size is not None:
+                if img.size != (size[1], size[0]):
                     img = img.resize((size[1], size[0]), Image.Resampling.BILINEAR)
-                array = np.asarray(img, np.uint8).reshape(img.size[1], img.size[0], channels)
+                array = np.asarray(img, np.uint8).reshape(size[0], size[1], len(mode))
             except (OSError, ValueError, SyntaxError) as exc:
                 raise DataError(f"dataset 'hf': {split} sample {i}: unreadable image ({exc})") from None
-        if out is None:
-            out = np.empty((len(items), channels, *array.shape[:2]), np.uint8)
-        elif array.shape[:2] != out.shape[2:]:
-            raise DataError(
-                f"dataset 'hf': the images differ in size ({out.shape[2]}x{out.shape[3]} and {array.shape[0]}x"
-                f"{array.shape[1]} at {split} sample {i}, height x width); set dataset.image_size to resize them"
-            )
         out[i] = array.transpose(2, 0, 1)
     return out
 
 
+def one_size(found: list[tuple[str, tuple[int, int]]], n_train: int) -> tuple[int, int]:
+    """The images' one size (height, width); one line naming two that differ when they do not share one."""
+    size = found[0][1]
+    for i, (_, other) in enumerate(found):
+        if other != size:
+            where = f"training sample {i}" if i < n_train else f"test sample {i - n_train}"
+            raise DataError(
+                f"dataset 'hf': the images differ in size ({size[0]}x{size[1]} and {other[0]}x{other[1]} at {where}, "
+                "height x width); set dataset.image_size to resize them"
+            )
+    return size
+
+
+def check_memory(count: int, channels: int, size: tuple[int, int], given: bool) -> None:
+    """One line, before any image is decoded, when the arrays of ``count`` images cannot fit in memory."""
+    from fedhet.engine.memory import available_memory
+    from fedhet.paths import size_text
+
+    need = count * channels * size[0] * size[1] * BYTES_PER_VALUE
+    room = available_memory(torch_cpu())
+    if room is None or need <= room[0]:
+        return
+    free, where = room
+    how = "dataset.image_size" if given else "their own size; dataset.image_size resizes them"
+    raise DataError(
+        f"dataset 'hf': {count} images of {channels} x {size[0]} x {size[1]} values ({how}) need {size_text(need)} "
+        f"in memory (uint8 arrays and their float32 copy), but this machine has {size_text(free)} {where}; set a "
+        "smaller dataset.image_size"
+    )
+
+
+def torch_cpu():
+    import torch
+
+    return torch.device("cpu")
+
+
 def image_arrays(train, test, column: str, p: HFParams) -> tuple[np.ndarray, np.ndarray, dict]:
     items_train, items_test = raw_images(train, column), raw_images(test, column)
-    modes = set()
-    for i, item in enumerate([*items_train, *items_test]):
-        img = open_image(item, f"sample {i}")
-        modes.add(img.mode)
-        img.close()
-    mode = target_mode(modes, p.image_mode)
-    size = (p.image_size, p.image_size) if isinstance(p.image_size, int) else p.image_size
+    found = headers(items_train, "training", column) + headers(items_test, "test", column)
+    modes = collections.Counter(m for m, _ in found)
+    mode = target_mode(set(modes), p.image_mode)
+    given = (p.image_size, p.image_size) if isinstance(p.image_size, int) else p.image_size
+    size = tuple(given) if given is not None else one_size(found, len(items_train))
+    check_memory(len(found), len(mode), size, given is not None)
     x_train = images(items_train, mode, size, "training")
-    x_test = images(items_test, mode, size or tuple(x_train.shape[2:]), "test") if items_test else None
-    if x_test is None:
-        x_test = np.empty((0, *x_train.shape[1:]), np.uint8)
-    return x_train, x_test, {"image_mode": mode, "source_modes": sorted(modes)}
+    x_test = images(items_test, mode, size, "test")
+    what = {
+        "mode": mode,
+        "size": list(size),
+        "count": len(found),
+        "source_modes": dict(sorted(modes.items())),
+        "converted": sum(n for m, n in modes.items() if m != mode),
+        "resized": sum(s != size for _, s in found),
+    }
+    return x_train, x_test, {"image_mode": mode, "source_modes": sorted(modes), "images": what}
+
+
+def image_note(what: dict) -> str | None:
+    """What was done to the images, in words (None when nothing was): shown when a run starts."""
+    mode, (height, width), count = what["mode"], what["size"], what["count"]
+    done = []
+    if what["converted"]:
+        others = ", ".join(f"{n} {m}" for m, n in what["source_modes"].items() if m != mode)
+        dropped = any(m in ALPHA for m in what["source_modes"]) and mode not in ALPHA
+        done.append(f"{what['converted']} converted to {mode} ({others}{'; alpha dropped' if dropped else ''})")
+    if what["resized"]:
+        done.append(f"{what['resized']} resized to {height}x{width} (height x width)")
+    if not done:
+        return None
+    return f"dataset 'hf': of its {count} images, {' and '.join(done)}; dataset.image_mode and image_size choose"
 
 
 def tokenise(text: str, p: HFParams) -> list[str]:
@@ -550,10 +715,13 @@ def held_out(n: int, p: HFParams) -> tuple[np.ndarray, np.ndarray]:
 
 def prepare(train, test, p: HFParams) -> dict:
     """The arrays and metadata of the dataset, as the cache stores them."""
+    cols = columns(train.features, p)
+    for split, ds in (("training", train), ("test", test)):  # row numbers as in the files, before any hold-out
+        if ds is not None and kind(ds.features[cols["label"]]) != "list":
+            missing_labels(cols["label"], values(ds, cols["label"]), split)
     if test is None:
         keep, hold = held_out(len(train), p)
         train, test = train.select(keep), train.select(hold)
-    cols = columns(train.features, p)
     y_train, y_test, names = encode_labels(train, test, cols["label"])
     g_train, g_test, users = encode_ids(train, test, cols["id"])
     build = {"image": image_arrays, "text": text_arrays, "tabular": tabular_arrays}[cols["task"]]
@@ -572,35 +740,12 @@ def prepare(train, test, p: HFParams) -> dict:
 def cache_key(train, test, p: HFParams, content: str) -> str:
     settings = p.model_dump(mode="json")
     fingerprints = [getattr(train, "_fingerprint", None), getattr(test, "_fingerprint", None) if test else None]
-    blob = json.dumps([CACHE_VERSION, settings, fingerprints, content], sort_keys=True, default=str)
+    blob = json.dumps([prepared.CACHE_VERSION, settings, fingerprints, content], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-def read_cache(path: Path) -> dict | None:
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            meta = json.loads(bytes(data["meta"]).decode())
-            return {"arrays": {k: data[k] for k in data.files if k != "meta"}, "meta": meta}
-    except (OSError, ValueError, KeyError, json.JSONDecodeError):
-        return None  # absent or unreadable: prepared again
-
-
-def write_cache(path: Path, prepared: dict) -> None:
-    """Atomically (a temporary file renamed); a cache that cannot be written only costs the next run time."""
-    meta = np.frombuffer(json.dumps(prepared["meta"]).encode(), np.uint8)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            np.savez(f, meta=meta, **prepared["arrays"])
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-
-
-def to_dataset(prepared: dict, provenance: dict) -> ArrayDataset:
-    a, meta = prepared["arrays"], prepared["meta"]
+def to_dataset(arrays: dict, provenance: dict, notes: list[str]) -> ArrayDataset:
+    a, meta = arrays["arrays"], arrays["meta"]
     task, names = meta["task"], meta["class_names"]
     mean = std = None
     x_train, x_test = a["x_train"], a["x_test"]
@@ -626,7 +771,7 @@ def to_dataset(prepared: dict, provenance: dict) -> ArrayDataset:
         domains_train=a.get("domains_train"),
         domains_test=a.get("domains_test"),
         domain_names=meta.get("domain_names"),
-        extra={**meta["extra"], "provenance": provenance["extra"]},
+        extra={**meta["extra"], "provenance": provenance["extra"], "notes": notes},
         **provenance["fields"],
     )
 
@@ -638,16 +783,37 @@ def load_hf(data_dir: str | Path | None = None, **params) -> ArrayDataset:
     p = parse_params("dataset", NAME, HFParams, params)
     dd, local = open_dataset(p, data_dir)
     train, test, how = splits(dd, p)
+    if local is not None and local.is_dir():
+        unlabelled_folder(local, train.features, p)
     if local is not None:
         fields = local_manifest(local).fields()
         content = fields["content_hash"]
     else:
         fields, content = {"source_dir": f"Hugging Face Hub: {p.path}"}, ""
-    path = prepared_dir(data_dir) / f"{cache_key(train, test, p, content)}.npz"
-    prepared = read_cache(path)
-    if prepared is None:
-        prepared = prepare(train, test, p)
-        write_cache(path, prepared)
+    folder = prepared_dir(data_dir)
+    prepared.remove_leftovers(folder)
+    path = folder / f"{cache_key(train, test, p, content)}.npz"
+    arrays, damaged = prepared.read(path)
+    notes = (
+        [] if damaged is None else [f"dataset 'hf': the prepared file {path} was damaged ({damaged}); prepared again"]
+    )
+    if arrays is None:
+        arrays = prepare(train, test, p)
+        prepared.write(path, arrays, about(p, local, content))
     hub = {"subset": p.subset, "revision": p.revision} if local is None else {}
     extra = {"test_split": how, "prepared": str(path), **{k: v for k, v in hub.items() if v}}
-    return to_dataset(prepared, {"fields": fields, "extra": extra})
+    images = arrays["meta"]["extra"].get("images")
+    if images is not None:
+        extra["images"] = images
+        notes += [note for note in [image_note(images)] if note]
+    return to_dataset(arrays, {"fields": fields, "extra": extra}, notes)
+
+
+def about(p: HFParams, local: Path | None, content: str) -> dict:
+    """What a prepared file was prepared from, for ``fedhet cache list`` and ``clean``."""
+    settings = p.model_dump(mode="json", exclude_defaults=True)
+    for key in ("path", "subset", "revision"):
+        settings.pop(key, None)
+    if local is None:
+        return {"kind": "hub", "source": p.path, "subset": p.subset, "revision": p.revision, "settings": settings}
+    return {"kind": "local", "source": str(local.resolve()), "content_hash": content, "settings": settings}
