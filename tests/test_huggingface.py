@@ -581,8 +581,8 @@ def test_images_too_large_for_memory_are_refused_before_any_is_decoded(saved_ima
     message = str(info.value)
     assert message.startswith("dataset 'hf': 120 images of 1 x 100000 x 100000 values (dataset.image_size) need 6 TB")
     assert "; set a smaller dataset.image_size" in message
-    from fedhet.engine import memory
+    from fedhet import machine
 
-    monkeypatch.setattr(memory, "available_memory", lambda device: (10**9, "available (a test)"))
+    monkeypatch.setattr(machine, "host_memory", lambda: (10**9, "available (a test)"))
     with pytest.raises(DataError, match=r"need 2.4 GB in memory \(uint8 arrays and their float32 copy\), but this "):
         load(saved_images, tmp_path, image_size=2000)

@@ -17,8 +17,9 @@ ROOT = Path(fedhet.__file__).parent
 # the name under fedhet ("engine" for fedhet.engine.simulation, "config" for fedhet.config, "__init__" for fedhet), or
 # the module's own name where it sits in another layer than its package ("flower.cli": a CLI command).
 LAYERS = (
-    # what everything reads: errors, strict parameter models, path checks, plug-in loading, name -> factory tables
-    {"errors", "params", "paths", "plugins", "registry"},
+    # what everything reads: errors, strict parameter models, path checks, machine facts (free memory), plug-in
+    # loading, name -> factory tables
+    {"errors", "params", "paths", "machine", "plugins", "registry"},
     # the components a config names (datasets and partitioners, models) and the run folder's files (metrics, reports,
     # plots, trackers); none of the three imports another
     {"data", "models", "results"},
@@ -33,7 +34,7 @@ LAYERS = (
     {"flower"},  # the same round loop over Flower messages
     # what a user calls: the CLI (fedhet flower ... too), the Python API, many runs at once, the settings reference,
     # the package's lazy names
-    {"cli", "cli_shared", "flower.cli", "api", "comparison", "cells", "reference", "__init__"},
+    {"cli", "cli_shared", "cli_cache", "flower.cli", "api", "comparison", "cells", "reference", "__init__"},
 )
 # packages in one layer that import nothing from each other
 APART = {"data", "models", "results"}

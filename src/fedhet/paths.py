@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 from fedhet.errors import ConfigError
@@ -304,3 +305,31 @@ def mlflow_paths(uri: str | None, out_dir: PathLike) -> list[tuple[Path, str]]:
     if not parsed.scheme or len(parsed.scheme) == 1:  # a plain path (a Windows drive letter looks like a scheme)
         return [(Path(uri), "MLflow store")]
     return []
+
+
+def replace_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees the old file or the whole new one: a temporary file in the
+    same folder, synced, renamed over it, and the rename synced."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder: Path) -> None:
+    # Makes the rename itself durable on POSIX; directories cannot be opened this way on Windows.
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

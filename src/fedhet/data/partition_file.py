@@ -77,7 +77,7 @@ class SavedPartition:
 
     def save(self, path: str | Path) -> Path:
         """Write the file (atomically); one line of indices per client keeps a large one readable."""
-        from fedhet.results.store import write_text_atomic
+        from fedhet.paths import replace_atomic
 
         head = {"format": FORMAT, "version": VERSION, "dataset": self.dataset, "made_by": self.made_by}
         clients = []
@@ -87,7 +87,7 @@ class SavedPartition:
                 client["test"] = np.asarray(self.test[i]).tolist()
             clients.append("    " + json.dumps(client, separators=(", ", ": ")))
         text = json.dumps(head, indent=2)[:-2] + ',\n  "clients": [\n' + ",\n".join(clients) + "\n  ]\n}\n"
-        write_text_atomic(path, text)
+        replace_atomic(Path(path), text)
         return Path(path)
 
     @classmethod

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from fedhet.errors import ConfigError, FedhetError, RunFailed
-from fedhet.results.store import fsync_dir
+from fedhet.paths import fsync_dir
 
 MAGIC = b"FEDHET-CHECKPOINT-1\n"
 STATE_MAGIC = b"FEDHET-STATE-1\n"

@@ -12,14 +12,13 @@ activations. A model that passes may still be too large; one that fails cannot t
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fedhet.errors import ConfigError
+from fedhet.machine import host_memory
 from fedhet.paths import size_text
 
 if TYPE_CHECKING:
@@ -54,41 +53,7 @@ def available_memory(device: torch.device) -> tuple[int, str] | None:
         return int(free), "free (torch.cuda.mem_get_info)"
     if device.type != "cpu":
         return None
-    found = []
-    available = meminfo_available()
-    if available is not None:
-        found.append((available, "available (MemAvailable in /proc/meminfo)"))
-    cgroup = cgroup_room()
-    if cgroup is not None:
-        found.append((cgroup, "left under this process's memory limit (cgroup memory.max)"))
-    if not found:
-        try:
-            found.append((os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free (sysconf)"))
-        except (AttributeError, OSError, ValueError):
-            return None
-    return min(found)
-
-
-def meminfo_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def cgroup_room() -> int | None:
-    """Bytes this process's cgroup (v2) may still take, None without a limit."""
-    root = Path("/sys/fs/cgroup")
-    try:
-        limit = (root / "memory.max").read_text().strip()
-        if limit == "max":
-            return None
-        return max(0, int(limit) - int((root / "memory.current").read_text().strip()))
-    except (OSError, ValueError):
-        return None
+    return host_memory()
 
 
 def check_fits(name: str, counted: tuple[int, int] | None, device: torch.device) -> None:

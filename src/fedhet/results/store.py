@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from fedhet.errors import CorruptFile
+from fedhet.paths import replace_atomic
 
 # Where a torn line is reported: one line of text (a run's own warning line), else a Python warning
 Warn = Callable[[str], None] | None
@@ -93,11 +93,11 @@ def truncate_after(path: str | Path, round: int, warn: Warn = None) -> int:
 def write_json_atomic(path: str | Path, obj: Any) -> None:
     path = Path(path)
     text = to_json(obj, indent=2) + "\n"
-    _replace_atomic(path, text)
+    replace_atomic(path, text)
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
-    _replace_atomic(Path(path), text)
+    replace_atomic(Path(path), text)
 
 
 def read_json(path: str | Path, kind: type | None = None) -> Any:
@@ -114,33 +114,7 @@ def read_json(path: str | Path, kind: type | None = None) -> Any:
 
 
 def _rewrite_lines(path: Path, records: list[dict]) -> None:
-    _replace_atomic(path, "".join(to_json(r) + "\n" for r in records))
-
-
-def _replace_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(folder: Path) -> None:
-    # Makes the rename itself durable on POSIX; directories cannot be opened this way on Windows.
-    if not hasattr(os, "O_DIRECTORY"):
-        return
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    replace_atomic(path, "".join(to_json(r) + "\n" for r in records))
 
 
 def _has_torn_tail(path: Path) -> bool:

@@ -576,11 +576,11 @@ def one_size(found: list[tuple[str, tuple[int, int]]], n_train: int) -> tuple[in
 
 def check_memory(count: int, channels: int, size: tuple[int, int], given: bool) -> None:
     """One line, before any image is decoded, when the arrays of ``count`` images cannot fit in memory."""
-    from fedhet.engine.memory import available_memory
+    from fedhet.machine import host_memory
     from fedhet.paths import size_text
 
     need = count * channels * size[0] * size[1] * BYTES_PER_VALUE
-    room = available_memory(torch_cpu())
+    room = host_memory()
     if room is None or need <= room[0]:
         return
     free, where = room
@@ -590,12 +590,6 @@ def check_memory(count: int, channels: int, size: tuple[int, int], given: bool) 
         f"in memory (uint8 arrays and their float32 copy), but this machine has {size_text(free)} {where}; set a "
         "smaller dataset.image_size"
     )
-
-
-def torch_cpu():
-    import torch
-
-    return torch.device("cpu")
 
 
 def image_arrays(train, test, column: str, p: HFParams) -> tuple[np.ndarray, np.ndarray, dict]:
