@@ -422,3 +422,15 @@ def test_the_watcher_ends_what_a_killed_process_started_and_leaves_a_finished_on
     finally:
         if not _ended(child):
             os.kill(child, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------------------- without the flower extra
+@pytest.mark.parametrize("command", ["app", "simulate"])
+def test_flower_commands_without_flower_say_how_to_install_it(tmp_path, monkeypatch, capsys, command):
+    """A bare install (no extras) has no flwr: `fedhet flower app/simulate` is one line naming the extra."""
+    monkeypatch.setitem(sys.modules, "flwr", None)  # import flwr fails and find_spec finds nothing, as without it
+    args = [tmp_path / "app"] if command == "app" else []
+    code, err = fedhet(monkeypatch, capsys, "flower", command, *args, *TINY)
+    line = one_line(err)
+    assert code == 2 and line.endswith("needs Flower (flwr), not installed: pip install 'fedhet[flower]'"), line
+    assert not any(tmp_path.iterdir())

@@ -115,21 +115,35 @@ def test_unknown_command_suggests_once(args, meant):
     assert result.output.count("Did you mean") == 1 and f"'{meant}'" in result.output, result.output
 
 
+def commands(cmd=None, path="fedhet"):
+    """Every command of the app (groups included), with the words that call it."""
+    import click
+    import typer
+
+    cmd = cmd or typer.main.get_command(app)
+    yield path, cmd
+    for name, sub in getattr(cmd, "commands", {}).items() if isinstance(cmd, click.Group) else ():
+        yield from commands(sub, f"{path} {name}")
+
+
+def help_texts():
+    for path, cmd in commands():
+        for where, text in [("", cmd.help or ""), *((p.name, getattr(p, "help", None) or "") for p in cmd.params)]:
+            yield f"{path} {where}", text
+
+
 def test_help_texts_survive_rich_markup():
     """typer renders help through rich, where "[system]" is a style tag and vanishes: every command's and option's
     help reads the same after rendering (brackets escaped as "\\[")."""
-    import click
-    import typer
     from rich.text import Text
 
-    def commands(cmd, path="fedhet"):
-        yield path, cmd
-        for name, sub in getattr(cmd, "commands", {}).items() if isinstance(cmd, click.Group) else ():
-            yield from commands(sub, f"{path} {name}")
-
-    lost = []
-    for path, cmd in commands(typer.main.get_command(app)):
-        for where, text in [("", cmd.help or ""), *((p.name, getattr(p, "help", None) or "") for p in cmd.params)]:
-            if Text.from_markup(text).plain != text.replace("\\[", "["):
-                lost.append(f"{path} {where}: {text}")
+    lost = [
+        f"{where}: {text}" for where, text in help_texts() if Text.from_markup(text).plain != text.replace("\\[", "[")
+    ]
     assert not lost, "\n".join(lost)
+
+
+def test_help_texts_have_no_doubled_backticks():
+    """The docstrings are also the commands' help: reST's ``literal`` would show its backticks in the terminal."""
+    doubled = [f"{where}: {text}" for where, text in help_texts() if "``" in text]
+    assert len(list(commands())) > 10 and not doubled, "\n".join(doubled)

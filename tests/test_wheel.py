@@ -1,23 +1,35 @@
-"""The package on its own: an sdist built from the sources, a wheel built from that sdist, installed (no network) into
-a fresh virtual environment, and `fedhet` run from an empty folder there, away from this checkout.
+"""The package on its own: an sdist built from the sources, a wheel built from that sdist, installed into a fresh
+virtual environment, and `fedhet` run from an empty folder there, away from this checkout.
 
-The new environment sees the test environment's installed packages through a ``.pth`` line (a plain path: the
-``.pth`` files inside it, such as an editable fedhet's, are not read), so nothing is downloaded, and its own
-site-packages comes first, so ``import fedhet`` finds the installed wheel (checked)."""
+Two environments get the wheel:
+
+* ``test-env``: no network. The new environment sees the test environment's installed packages through a ``.pth``
+  line (a plain path: the ``.pth`` files inside it, such as an editable fedhet's, are not read), and its own
+  site-packages comes first, so ``import fedhet`` finds the installed wheel (checked).
+* ``index``: a bare install as a user makes it: the CPU build of the test environment's torch, then the wheel with
+  the dependencies pip resolves today from the package index (the newest that fedhet's bounds allow), none of the
+  test environment's. Skipped when the index cannot be reached or no CPU build of that torch is at hand (a plain
+  ``torch==X`` would pull gigabytes of CUDA wheels). pip's cache makes later runs quicker.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import site
 import subprocess
 import sys
 import sysconfig
 import tarfile
+import urllib.request
 import zipfile
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
+from packaging.version import Version
 
 import fedhet
 
@@ -31,8 +43,11 @@ PACKAGE_FILES = sorted(
 )
 
 
-def call(*args: str | Path, cwd: Path, env: dict[str, str] | None = None) -> str:
-    proc = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+
+
+def call(*args: str | Path, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300) -> str:
+    proc = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc.stdout
@@ -50,10 +65,8 @@ def build_sdist(tmp: Path) -> Path:
     return source / "dist" / name
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> dict[str, Path]:
-    """The wheel (built from the sdist) installed into a new virtual environment; its interpreter and a clean env."""
-    tmp = tmp_path_factory.mktemp("wheel")
+def build_wheel(tmp: Path) -> Path:
+    """The wheel, built (offline) from the sdist; both hold every file of the package."""
     sdist = build_sdist(tmp)
     with tarfile.open(sdist) as tar:
         names = tar.getnames()
@@ -63,9 +76,8 @@ def installed(tmp_path_factory) -> dict[str, Path]:
     missing = [f for f in PACKAGE_FILES if f"{top}/src/{f}" not in names]
     assert not missing, f"the sdist lacks {missing}"
     wheels = tmp / "wheels"
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
     call(
-        *pip,
+        *PIP,
         "wheel",
         "-q",
         "--no-deps",
@@ -76,27 +88,82 @@ def installed(tmp_path_factory) -> dict[str, Path]:
         tmp / "unpacked" / top,
         cwd=tmp,
     )
-    (wheel,) = wheels.glob("fedhet-*.whl")
-    missing = [f for f in PACKAGE_FILES if f not in zipfile.ZipFile(wheel).namelist()]
+    (built,) = wheels.glob("fedhet-*.whl")
+    missing = [f for f in PACKAGE_FILES if f not in zipfile.ZipFile(built).namelist()]
     assert not missing, f"the wheel lacks {missing}"
+    return built
 
-    venv = tmp / "env"
-    call(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp)
-    python = venv / "bin" / "python"
-    call(*pip, "--python", python, "install", "-q", "--no-deps", "--no-index", wheel, cwd=tmp)
-    purelib = Path(call(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=tmp).strip())
+
+def index_url() -> str:
+    return os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple/"
+
+
+def index_unreachable() -> str | None:
+    """Why the package index cannot be used here, or None when it answers."""
+    try:
+        with urllib.request.urlopen(f"{index_url().rstrip('/')}/pip/", timeout=10):
+            return None
+    except OSError as err:
+        return f"the package index {index_url()} is unreachable ({err}); the bare install needs it"
+
+
+def install_from_index(python: Path, wheel: Path, tmp: Path) -> None:
+    """torch's CPU build first (as the Makefile does), then the wheel, its dependencies resolved by pip."""
+    reason = index_unreachable()
+    if reason:
+        pytest.skip(reason)
+    torch = f"torch=={Version(version('torch')).base_version}+cpu"
+    # --no-compile: byte-compiling all of torch takes longer than installing it; Python compiles what is imported
+    install = [*PIP, "--python", python, "install", "-q", "--no-compile"]
+    proc = subprocess.run([*install, torch], capture_output=True, text=True, cwd=tmp, timeout=900)
+    if proc.returncode and "No matching distribution found for torch" in proc.stderr:
+        pytest.skip(f"no CPU build {torch} where pip looks (a plain torch==X would pull CUDA wheels)")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    call(*install, wheel, cwd=tmp, timeout=900)
+
+
+def see_test_environment(python: Path, wheel: Path, tmp: Path) -> None:
+    call(*PIP, "--python", python, "install", "-q", "--no-deps", "--no-index", wheel, cwd=tmp)
     ours = [sysconfig.get_path("purelib"), *site.getsitepackages()]
-    (purelib / "test_environment.pth").write_text("\n".join(dict.fromkeys(ours)) + "\n")
+    (purelib_of(python, tmp) / "test_environment.pth").write_text("\n".join(dict.fromkeys(ours)) + "\n")
+
+
+def purelib_of(python: Path, cwd: Path) -> Path:
+    return Path(call(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=cwd).strip())
+
+
+def shared_folder(tmp_path_factory, name: str) -> Path:
+    """A folder that every pytest-xdist worker of this session sees (the session's own without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / name
+
+
+@pytest.fixture(scope="module", params=["test-env", "index"])
+def installed(request, tmp_path_factory) -> dict[str, Path]:
+    """The wheel installed into a new virtual environment; its bin folder, a clean env and an empty folder.
+
+    The environment is made once per session: the first worker to need it builds it, under a lock, and the
+    others wait for it (the index install takes a minute or more)."""
+    tmp = shared_folder(tmp_path_factory, f"wheel-{request.param}")
+    venv = tmp / "env"
+    python = venv / "bin" / "python"
+    with FileLock(f"{tmp}.lock"):
+        if not (tmp / "ready").exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            wheel = build_wheel(tmp)
+            call(sys.executable, "-m", "venv", "--without-pip", venv, cwd=tmp)
+            (install_from_index if request.param == "index" else see_test_environment)(python, wheel, tmp)
+            (tmp / "ready").touch()
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(COLUMNS="200", OMP_NUM_THREADS="1", PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
-    empty = tmp / "empty"
-    empty.mkdir()
+    empty = tmp_path_factory.mktemp("empty")
     location = call(python, "-c", "import fedhet; print(fedhet.__file__)", cwd=empty, env=env).strip()
-    assert Path(location).is_relative_to(purelib), f"fedhet imported from {location}, not the installed wheel"
+    assert Path(location).is_relative_to(purelib_of(python, tmp)), f"fedhet imported from {location}, not the wheel"
     script = (venv / "bin" / "fedhet").read_text().splitlines()[0]
     assert script.startswith(f"#!{venv}"), f"the fedhet command runs {script}, not the new environment's Python"
-    return {"bin": venv / "bin", "env": env, "empty": empty}
+    return {"bin": venv / "bin", "env": env, "empty": empty, "bare": request.param == "index"}
 
 
 @pytest.mark.slow
@@ -123,3 +190,23 @@ def test_the_installed_package_runs_the_demo_from_an_empty_folder(installed):
     assert (runs / "comparison.md").read_text().count("| fedavg ") == 1
     assert (runs / "comparison.png").read_bytes().startswith(b"\x89PNG")
     assert sorted(p.name for p in folder.iterdir()) == ["demo-runs"]  # nothing written beside the output folder
+
+
+@pytest.mark.slow
+def test_the_installed_package_says_usage_errors_in_one_line_and_helps_plainly(installed):
+    """A mistyped command, a missing or wrong option value: one ``error:`` line and exit 2 with the typer and click
+    that the environment has; the help lists options without typer's own "<bool>" / "<path>" type tags."""
+    fedhet_cmd, run = installed["bin"] / "fedhet", {"cwd": installed["empty"], "env": installed["env"]}
+    bare = [(["flower", "simulate"], "error: fedhet flower simulate needs Flower (flwr), not installed")]
+    for args, words in [
+        *(bare if installed["bare"] else []),  # no extras: no flwr
+        (["rn"], "error: no such command 'rn'. Did you mean 'run'?"),
+        (["run", "--rounds"], "error: option '--rounds' requires an argument."),
+        (["run", "-r", "abc"], "error: invalid value for '--rounds' / '-r': 'abc' is not a valid integer."),
+    ]:
+        proc = subprocess.run([fedhet_cmd, *args], capture_output=True, text=True, timeout=120, **run)
+        assert proc.returncode == 2 and proc.stderr.startswith(words), proc.stderr[-3000:]
+        assert proc.stderr.count("\n") == 1 and not proc.stdout, proc.stderr[-3000:]
+    for args in ([], ["run"], ["list"]):
+        text = call(fedhet_cmd, *args, "--help", **run)
+        assert "--help" in text and not re.search(r"<(bool|path|int|text)>|``", text), text

@@ -468,7 +468,7 @@ def list_cmd(
     ] = False,
 ) -> None:
     """List what fedhet offers (and the plug-ins provide), with one-line descriptions and each parameter's default;
-    ``fedhet list config`` lists every config key."""
+    `fedhet list config` lists every config key."""
     from fedhet import plugins
     from fedhet.algorithms import ALGORITHMS, SERVER_OPTIMIZERS
     from fedhet.data.datasets import DATASETS

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -31,6 +32,7 @@ from fedhet.cli_shared import (
     quiet_libraries,
     shortcuts,
 )
+from fedhet.errors import ConfigError
 
 flower_app = typer.Typer(
     no_args_is_help=True,
@@ -38,6 +40,12 @@ flower_app = typer.Typer(
     "simulation, and per-client data files for SuperNodes.",
     **SUGGEST_COMMANDS,
 )
+
+
+def _need_flower(command: str) -> None:
+    """`flower app` and `flower simulate` load Flower; without the flower extra, one line saying how to get it."""
+    if importlib.util.find_spec("flwr") is None:
+        raise ConfigError(f"fedhet flower {command} needs Flower (flwr), not installed: pip install 'fedhet[flower]'")
 
 
 def _config(config: Path | None, sets: list[str] | None, plugins: list[str] | None, runs_here: bool = True, **kw: Any):
@@ -73,6 +81,7 @@ def app_cmd(
     force: Annotated[bool, typer.Option("--force", help="Overwrite the app files of a non-empty folder.")] = False,
 ) -> None:
     """Write a Flower app folder (pyproject.toml, fedhet.toml, fedhet_app.py) to start with `flwr run`."""
+    _need_flower("app")
     from fedhet.flower.bundle import write_app
     from fedhet.paths import check_folder
 
@@ -137,6 +146,7 @@ def simulate_cmd(
     verbose: VerboseOpt = False,
 ) -> None:
     """Run a config in Flower's Ray simulation (one virtual SuperNode per client); writes the usual run folder."""
+    _need_flower("simulate")
     from fedhet.api import run_dir_of
     from fedhet.engine.rundir import check_run_flags
     from fedhet.flower.app import RunOptions
