@@ -66,6 +66,15 @@ VariantsOpt = Annotated[
     ),
 ]
 SeedsOpt = Annotated[str | None, typer.Option("--seeds", help="Comma list of seeds, e.g. 0,1,2.")]
+BaselineOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--baseline",
+        help="The method every row is compared with, in its own setting (paired by seed: difference, bootstrap 95% "
+        "interval, Wilcoxon p), e.g. fedavg or 'fedprox mu=0.1'; 'none' for no comparison. Default: fedavg where "
+        "the runs have it and two seeds pair.",
+    ),
+]
 JobsOpt = Annotated[
     str, typer.Option("--jobs", "-j", help="Cells run at once, in worker processes; 0 or auto: one per core.")
 ]
@@ -169,6 +178,7 @@ def compare(
     set_: SetOpt = None,
     variants: VariantsOpt = None,
     seeds: SeedsOpt = None,
+    baseline: BaselineOpt = None,
     partitions: Annotated[
         str | None,
         typer.Option(
@@ -230,6 +240,7 @@ def compare(
             seeds=seeds,
             grid=grid,
             partitions=partitions,
+            baseline=baseline,
             jobs=parse_jobs(jobs),
             threads=threads,
             overwrite=overwrite,
@@ -360,13 +371,23 @@ def report(
             "--x", help="The plots' x axis: 'round', or 'sim/time' (simulated seconds, with a \\[system] section)."
         ),
     ] = "round",
+    baseline: BaselineOpt = None,
 ) -> None:
-    """Summarise finished (or running) runs: a mean ± std table over seeds and accuracy-vs-round curves."""
+    """Summarise finished (or running) runs: a mean ± std table over seeds with 95% intervals, each row's paired
+    difference from a baseline method, average ranks over settings, and accuracy-vs-round curves."""
     from fedhet.engine.display import print_warning
     from fedhet.paths import check_folder, check_output_file
     from fedhet.results.html import write_html
     from fedhet.results.plots import PANELS, X_LABELS, plot_curves
-    from fedhet.results.report import group_runs, load_runs, partition_note, print_table, summary_table, to_markdown
+    from fedhet.results.report import (
+        AUTO,
+        group_runs,
+        load_runs,
+        partition_note,
+        print_report,
+        report_markdown,
+        summary_table,
+    )
 
     if panels not in (None, *PANELS):
         raise ConfigError(f"unknown --panels {panels!r}; choose one of: {', '.join(PANELS)}")
@@ -386,18 +407,17 @@ def report(
     if not loaded:
         raise ConfigError(f"no run folders (with config.json and metrics.jsonl) under {', '.join(map(str, runs))}")
     groups = group_runs(loaded)
-    rows = summary_table(groups, metric=metric)
+    rows = summary_table(groups, metric=metric, baseline=baseline or AUTO)
     note = partition_note(groups)
-    print_table(rows, console)
-    if note:
-        console.print(note)
+    print_report(rows, console, note)
     if markdown:
-        markdown.write_text(to_markdown(rows) + (f"\n{note}\n" if note else "") + "\n")
+        markdown.write_text(report_markdown(rows, note))
         console.print(f"markdown: {markdown}")
     if plot:
         console.print(f"plot: {plot_curves(groups, plot, metric=metric, smooth=smooth, panels=panels, x=x)}")
     if html:
-        console.print(f"html: {write_html(groups, html, metrics=(metric,), smooth=smooth, panels=panels, x=x)}")
+        page = write_html(groups, html, metrics=(metric,), smooth=smooth, panels=panels, x=x, baseline=baseline or AUTO)
+        console.print(f"html: {page}")
 
 
 # what `fedhet list` takes: each kind in the plural, its singular, and the config section that names it
