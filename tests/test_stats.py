@@ -4,6 +4,7 @@ settings; checked against values worked by hand and against scipy called indepen
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -224,6 +225,21 @@ def test_a_baseline_compares_rows_of_its_own_setting_and_none_switches_it_off(tm
     assert "Δ vs" not in to_markdown(summary_table(groups, baseline="none"))
     with pytest.raises(ConfigError, match="baseline 'scaffold' is not a method of these runs; choose one of: fedavg, "):
         summary_table(groups, baseline="scaffold")
+
+
+def test_a_baseline_that_is_two_rows_is_refused_by_name_and_dropped_by_default(tmp_path):
+    runs_with_seeds(tmp_path / "old", {"fedavg": FEDAVG, "fedprox": {0: 0.8, 1: 0.81}})
+    # the same method with an option the older runs lack: two rows that the method alone does not tell apart
+    for seed, final in FEDAVG.items():
+        folder = make_run(tmp_path / "new", f"fedavg-s{seed}", "fedavg", seed, final + 0.01)
+        config = json.loads((folder / "config.json").read_text())
+        write_json_atomic(folder / "config.json", {**config, "run": {**config["run"], "ema": 0.5}})
+    groups = group_runs(load_runs([tmp_path]))
+    assert [g.label for g in groups] == ["fedavg", "fedavg ema=0.5", "fedprox"]
+    assert "Δ vs" not in to_markdown(summary_table(groups))  # the default cannot tell which: no comparison
+    with pytest.raises(ConfigError, match=r"baseline 'fedavg' is two rows of one setting \(fedavg; fedavg ema=0.5\)"):
+        summary_table(groups, baseline="fedavg")
+    assert "Δ vs fedprox" in to_markdown(summary_table(groups, baseline="fedprox"))
 
 
 def fedhet(monkeypatch, capsys, *args) -> tuple[int, str, str]:

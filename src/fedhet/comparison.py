@@ -5,6 +5,7 @@ A comparison config is a run config plus a ``[compare]`` table::
     [compare]
     variants = ["fedavg", "fedprox", "fedavg+fedadam"]   # ALGORITHM[+SERVER_OPTIMISER]
     seeds = [0]                                          # default: run.seed
+    baseline = "fedavg"                                  # rows' paired differences from it (default; "none")
     [compare.params.fedprox]                             # hyper-parameters of one algorithm
     mu = 0.01
     [compare.server_params.fedadam]                      # ... or of one server optimiser

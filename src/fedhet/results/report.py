@@ -6,6 +6,9 @@ name plus the settings that tell the groups apart (`fedprox mu=0.1`). Groups com
 plots, the HTML page, `compare` and `report`): by setting, then method family, then method (`group_order`).
 Standard deviations are over seeds, with Bessel's correction (ddof=1), shown for every measured column with two or
 more seeds and left out for a single seed; count columns (clients never sampled) show their range instead.
+Beside the final value: its 95 % t interval over seeds, each row's paired difference from a baseline method's row of
+the same setting (bootstrap interval, Wilcoxon p, pairs by seed and partition seed), and with several settings a
+table of average ranks; the statistics are results/stats.py's, the legend every format prints is `stats_notes`.
 """
 
 from __future__ import annotations
@@ -444,11 +447,16 @@ def summary_table(groups: list[Group], metric: str = "test_acc", baseline: str =
     for row, method, setting in zip(rows, methods, settings, strict=True):
         row.method, row.setting = method, setting
     chosen = baseline_method(methods, baseline)
-    if chosen is not None:
+    if chosen is None:
+        return rows
+    try:
         compare_with_baseline(groups, rows, chosen, metric)
-        if baseline == AUTO and not any(r.versus is not None and r.versus.n >= 2 for r in rows):
-            for row in rows:  # a default that has nothing to say stays out of the table
-                row.baseline, row.versus, row.unpaired = None, None, 0
+    except ConfigError:
+        if baseline != AUTO:
+            raise
+    if baseline == AUTO and not any(r.versus is not None and r.versus.n >= 2 for r in rows):
+        for row in rows:  # a default that has nothing to say (or cannot tell which fedavg) stays out of the table
+            row.baseline, row.versus, row.unpaired = None, None, 0
     return rows
 
 
@@ -470,11 +478,14 @@ def compare_with_baseline(groups: list[Group], rows: list[Row], baseline: str, m
     base = {}
     for group, row in zip(groups, rows, strict=True):
         if row.method == baseline:
-            if row.setting in base:
-                raise ConfigError(f"baseline {baseline!r} names two rows in one setting ({row.setting}); name one")
-            base[row.setting] = group
+            if row.setting in base:  # rows that differ only in a key some runs lack (a newer option)
+                raise ConfigError(
+                    f"baseline {baseline!r} is two rows of one setting ({base[row.setting][1]}; {row.label}); "
+                    "choose another baseline, or none"
+                )
+            base[row.setting] = (group, row.label)
     for group, row in zip(groups, rows, strict=True):
-        counterpart = base.get(row.setting)
+        counterpart = base.get(row.setting, (None,))[0]
         if counterpart is None:
             continue
         row.baseline = baseline
@@ -692,7 +703,8 @@ def rank_table(rows: list[Row]) -> tuple[list[str], list[list[str]]] | None:
     with fewer than two settings or two methods."""
     settings = list(dict.fromkeys(r.setting for r in rows))
     methods = list(dict.fromkeys(r.method for r in rows))
-    if len(settings) < 2 or len(methods) < 2:
+    cells = {(r.setting, r.method) for r in rows}
+    if len(settings) < 2 or len(methods) < 2 or len(cells) < len(rows):  # two rows of one method in a setting
         return None
     metric = rows[0].metric
     means = {s: {r.method: r.final_mean for r in rows if r.setting == s} for s in settings}
