@@ -30,6 +30,8 @@ def test_the_t_interval_of_one_two_three_is_the_one_worked_by_hand():
     assert (summary.mean, summary.std, summary.n) == (2.0, 1.0, 3)
     assert summary.ci_low == pytest.approx(2 - 4.302653 / math.sqrt(3), abs=1e-6) == pytest.approx(-0.484138, abs=1e-6)
     assert summary.ci_high == pytest.approx(4.484138, abs=1e-6)
+    mean, std, low, high, n = summary  # a tuple too, for callers that unpack it (a tuning table)
+    assert (mean, std, low, high, n) == (2.0, 1.0, summary.ci_low, summary.ci_high, 3)
 
 
 def test_the_t_interval_matches_scipys_t_distribution():

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from scipy import stats
@@ -30,8 +30,7 @@ BOOTSTRAP_SEED = 0  # the bootstrap's generator: the same runs give the same tab
 HIGHER, LOWER = "▲", "▼"  # the paired interval lies wholly above / below 0
 
 
-@dataclass(frozen=True)
-class SeedSummary:
+class SeedSummary(NamedTuple):  # a tuple, so `mean, std, low, high, n = seed_summary(values)` reads too
     mean: float | None
     std: float | None  # sample std (ddof=1); None below two values
     ci_low: float | None  # the 95 % t interval of the mean; None below two values
@@ -39,8 +38,7 @@ class SeedSummary:
     n: int
 
 
-@dataclass(frozen=True)
-class PairedDifference:
+class PairedDifference(NamedTuple):
     """a - b over n pairs; every statistic None below two pairs (one pair says nothing about spread)."""
 
     mean: float | None
