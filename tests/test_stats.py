@@ -285,3 +285,11 @@ def test_compare_checks_its_baseline_before_any_cell_trains(tmp_path):
     with pytest.raises(ConfigError, match="--baseline 'scaffold' is not a variant of this comparison; choose one of: "
                                           "fedavg, fedprox, auto, none"):  # fmt: skip
         plan_comparison(path, [], baseline="scaffold")
+
+
+def test_fedhet_compare_refuses_an_unknown_baseline_in_one_line(tmp_path, monkeypatch, capsys):
+    args = ["compare", "-d", "digits", "-v", "fedavg,fedprox", "-o", tmp_path, "--dry-run", "--baseline", "fedsgd"]
+    code, _, err = fedhet(monkeypatch, capsys, *args)
+    assert code != 0 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "--baseline 'fedsgd' is not a variant of this comparison; choose one of: fedavg, fedprox, auto, none" in err
+    assert not (tmp_path / "comparison.md").exists()
