@@ -72,7 +72,7 @@ BaselineOpt = Annotated[
         "--baseline",
         help="The method every row is compared with, in its own setting (paired by seed: difference, bootstrap 95% "
         "interval, Wilcoxon p), e.g. fedavg or 'fedprox mu=0.1'; 'none' for no comparison. Default: fedavg where "
-        "the runs have it and two seeds pair.",
+        "the runs have it and some row shares two seeds with it.",
     ),
 ]
 JobsOpt = Annotated[

@@ -71,7 +71,8 @@ def write_html(
 
     check_output_file(path, "HTML report")  # before the work: a folder, FIFO or dangling link there is refused
     shown = reported_metrics(groups, metrics) if every_metric else list(metrics)
-    tables = {metric: summary_table(groups, metric=metric, baseline=baseline) for metric in shown}  # a bad name: now
+    # every table first: a bad baseline fails before anything is drawn
+    tables = {metric: summary_table(groups, metric=metric, baseline=baseline) for metric in shown}
     swatches = {label: colour_hex(style.colour) for label, style in row_styles(groups, panels).items()}
     sections = [f"<h1>fedhet report</h1><p class='meta'>{len(groups)} groups, {sum(len(g.runs) for g in groups)} "
                 f"runs; written {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}</p>"]  # fmt: skip
