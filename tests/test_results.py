@@ -181,8 +181,9 @@ def test_summary_table_mean_and_std_over_seeds(tmp_path):
     assert row.client_dist_acc is None and row.personal_acc_macro is None
 
     markdown = to_markdown([row])
-    # ± on every measured column with seeds (best: 0.90, 0.89, 0.88; worst-10%: 0.4, 0.5, 0.6)
-    assert "| fedavg | 3 | 82.00 ± 2.00 | 89.00 ± 1.00 | — | 50.00 ± 10.00 | 3 |" in markdown
+    # ± on every measured column with seeds (best: 0.90, 0.89, 0.88; worst-10%: 0.4, 0.5, 0.6), and beside the final
+    # value its 95 % t interval: 82 ± t(0.975, 2) * 2 / sqrt(3) = 82 ± 4.3027 * 1.1547 = 82 ± 4.97
+    assert "| fedavg | 3 | 82.00 ± 2.00 | [77.03, 86.97] | 89.00 ± 1.00 | — | 50.00 ± 10.00 | 3 |" in markdown
     assert "personal" not in markdown
     console = Console(record=True, width=200)
     print_table([row], console)

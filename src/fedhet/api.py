@@ -266,6 +266,7 @@ def compare(
     seeds: Sequence[int] | str | None = None,
     grid: Mapping[str, Sequence[Any]] | Sequence[str] | None = None,
     partitions: str | None = None,
+    baseline: str | None = None,
     jobs: int | str = 1,
     threads: int | None = None,
     overwrite: bool = False,
@@ -281,6 +282,8 @@ def compare(
     ``variants``: ``["fedavg", "fedprox", "fedavg+fedadam"]`` (ALGORITHM[+SERVER_OPTIMISER]); ``seeds``: ``[0, 1]``;
     ``grid``: ``{"partition.alpha": [0.1, 0.5]}``. Unset, they come from the config's ``[compare]`` table. Writes
     comparison.md and comparison.png into ``run.out_dir``; finished cells are skipped, killed ones resumed.
+    ``baseline``: the variant every row is compared with, paired by seed ("none"; default fedavg where it is one),
+    as ``--baseline``.
 
     ``jobs``: cells run at once in worker processes (``0`` or ``"auto"``: one per usable core), as ``--jobs``. It
     works from a script without ``if __name__ == "__main__":`` and from a notebook: workers never import
@@ -320,6 +323,7 @@ def compare(
             seed_text,
             grid=grid_items,
             partitions=partitions,
+            baseline=baseline,
             jobs=jobs,
             threads=threads,
             overwrite=overwrite,
@@ -355,9 +359,13 @@ def _one_or_many(many: Any, one: Any, many_name: str, one_name: str) -> Any:
     return [one]
 
 
-def report(runs: RunResult | str | Path | Iterable[RunResult | str | Path], metric: str = "test_acc") -> list[Row]:
-    """One row per setting (runs that differ only in seed form one): mean ± std of the final ``metric`` over seeds,
-    best, fairness and personalisation columns; the table ``fedhet report`` prints."""
+def report(
+    runs: RunResult | str | Path | Iterable[RunResult | str | Path], metric: str = "test_acc", baseline: str = "auto"
+) -> list[Row]:
+    """One row per setting (runs that differ only in seed form one): mean ± std of the final ``metric`` over seeds
+    and its 95 % t interval, best, fairness and personalisation columns; with a ``baseline`` method ("auto": fedavg
+    where it is there; "none") each row's paired difference from it (``Row.versus``); the table ``fedhet report``
+    prints."""
     from fedhet.results.report import check_metric, group_runs, load_runs, summary_table
 
     items = [runs] if isinstance(runs, RunResult | str | Path) else list(runs)
@@ -366,7 +374,7 @@ def report(runs: RunResult | str | Path | Iterable[RunResult | str | Path], metr
         raise ConfigError("report: no runs given")
     loaded = load_runs(paths)
     check_metric(loaded, metric)
-    return summary_table(group_runs(loaded), metric=metric)
+    return summary_table(group_runs(loaded), metric=metric, baseline=baseline)
 
 
 def records_dataframe(results: Iterable[RunResult]) -> pandas.DataFrame:

@@ -70,6 +70,15 @@ VariantsOpt = Annotated[
     ),
 ]
 SeedsOpt = Annotated[str | None, typer.Option("--seeds", help="Comma list of seeds, e.g. 0,1,2.")]
+BaselineOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--baseline",
+        help="The method every row is compared with, in its own setting (paired by seed: difference, bootstrap 95% "
+        "interval, Wilcoxon p), e.g. fedavg or 'fedprox mu=0.1'; 'none' for no comparison. Default: fedavg where "
+        "the runs have it and some row shares two seeds with it.",
+    ),
+]
 JobsOpt = Annotated[
     str, typer.Option("--jobs", "-j", help="Cells run at once, in worker processes; 0 or auto: one per core.")
 ]
@@ -173,6 +182,7 @@ def compare(
     set_: SetOpt = None,
     variants: VariantsOpt = None,
     seeds: SeedsOpt = None,
+    baseline: BaselineOpt = None,
     partitions: Annotated[
         str | None,
         typer.Option(
@@ -234,6 +244,7 @@ def compare(
             seeds=seeds,
             grid=grid,
             partitions=partitions,
+            baseline=baseline,
             jobs=parse_jobs(jobs),
             threads=threads,
             overwrite=overwrite,
@@ -389,19 +400,23 @@ def report(
             "--x", help="The plots' x axis: 'round', or 'sim/time' (simulated seconds, with a \\[system] section)."
         ),
     ] = "round",
+    baseline: BaselineOpt = None,
 ) -> None:
-    """Summarise finished (or running) runs: a mean ± std table over seeds and accuracy-vs-round curves."""
+    """Summarise finished (or running) runs: a mean ± std table over seeds with 95% intervals, each row's paired
+    difference from a baseline method, average ranks over settings, and accuracy-vs-round curves."""
+    from fedhet.engine.display import print_warning
     from fedhet.paths import check_folder, check_output_file
     from fedhet.results.html import write_html
     from fedhet.results.plots import PANELS, X_LABELS, plot_curves
     from fedhet.results.report import (
+        AUTO,
         check_metric,
         group_runs,
         load_runs,
-        print_table,
+        print_report,
+        report_markdown,
         summary_table,
         table_notes,
-        to_markdown,
     )
 
     if panels not in (None, *PANELS):
@@ -423,18 +438,17 @@ def report(
         raise ConfigError(f"no run folders (with config.json and metrics.jsonl) under {', '.join(map(str, runs))}")
     check_metric(loaded, metric)
     groups = group_runs(loaded)
-    rows = summary_table(groups, metric=metric)
+    rows = summary_table(groups, metric=metric, baseline=baseline or AUTO)
     notes = table_notes(groups, rows)
-    print_table(rows, console)
-    for note in notes:
-        console.print(escape(note))
+    print_report(rows, console, notes)
     if markdown:
-        markdown.write_text(to_markdown(rows, notes) + "\n")
+        markdown.write_text(report_markdown(rows, notes))
         console.print(f"markdown: {markdown}")
     if plot:
         console.print(f"plot: {plot_curves(groups, plot, metric=metric, smooth=smooth, panels=panels, x=x)}")
     if html:
-        console.print(f"html: {write_html(groups, html, metrics=(metric,), smooth=smooth, panels=panels, x=x)}")
+        page = write_html(groups, html, metrics=(metric,), smooth=smooth, panels=panels, x=x, baseline=baseline or AUTO)
+        console.print(f"html: {page}")
 
 
 # what `fedhet list` takes: each kind in the plural, its singular, and the config section that names it

@@ -5,6 +5,7 @@ A comparison config is a run config plus a ``[compare]`` table::
     [compare]
     variants = ["fedavg", "fedprox", "fedavg+fedadam"]   # ALGORITHM[+SERVER_OPTIMISER]
     seeds = [0]                                          # default: run.seed
+    baseline = "fedavg"                                  # rows' paired differences from it (default; "none")
     [compare.params.fedprox]                             # hyper-parameters of one algorithm
     mu = 0.01
     [compare.server_params.fedadam]                      # ... or of one server optimiser
@@ -56,6 +57,8 @@ class CompareSpec(Params):
     # "per-seed": each seed draws its own partition; "fixed": every seed trains on one (--partitions); None: as the
     # config says (fixed when it sets partition.seed)
     partitions: Literal["per-seed", "fixed"] | None = None
+    # the method every row is compared with (--baseline): a variant, "auto" (fedavg where it is one) or "none"
+    baseline: str | None = None
 
 
 def parse_spec(table: Any) -> CompareSpec:
@@ -335,6 +338,7 @@ class Comparison:
     out_dir: Path
     progress: bool  # run.progress of the base setting: show the live display
     partitions: str = ""  # what the cells' partitions are, in words (apply_partition_mode)
+    baseline: str = "auto"  # the method the tables compare every row with (report.summary_table)
 
 
 def plan_comparison(
@@ -345,6 +349,7 @@ def plan_comparison(
     grid: list[str] | None = None,
     partitions: str | None = None,
     writable: bool = True,
+    baseline: str | None = None,
 ) -> Comparison:
     """Every cell's validated config (grid point x seed x variant); raises ConfigError naming a bad cell. ``config``
     is a TOML file or its contents (``fedhet.api.config_dict``). The paths they name are checked as ``fedhet run``
@@ -396,7 +401,22 @@ def plan_comparison(
                 labels[name] = f"{variant} seed {seed}" + (f" {point}" if point else "")
                 points[point].append(name)
     check_shared_taken(base, shared, took, names)
-    return Comparison(cells, labels, points, out_dir, base_cfg.run.progress, partitions_text)
+    chosen = check_baseline(baseline or spec.baseline, names)
+    return Comparison(cells, labels, points, out_dir, base_cfg.run.progress, partitions_text, chosen)
+
+
+def check_baseline(baseline: str | None, variants: list[str]) -> str:
+    """--baseline (compare.baseline) before any cell trains: one of the variants, "auto" or "none"."""
+    from fedhet.results.report import AUTO, NO_BASELINE
+
+    if baseline is None:
+        return AUTO
+    if baseline not in (*variants, AUTO, NO_BASELINE):
+        raise ConfigError(
+            f"--baseline {baseline!r} is not a variant of this comparison; choose one of: "
+            f"{', '.join([*variants, AUTO, NO_BASELINE])}"
+        )
+    return baseline
 
 
 def print_plan(plan: Comparison, overwrite: bool, console: Console, err_console: Console) -> None:
@@ -427,6 +447,7 @@ def run_comparison(
     *,
     grid: list[str] | None = None,
     partitions: str | None = None,
+    baseline: str | None = None,
     jobs: int = 1,
     threads: int | None = None,
     overwrite: bool = False,
@@ -437,7 +458,9 @@ def run_comparison(
     """Run (or continue) every cell, then write the tables and plots; returns the run folders tabulated.
 
     Raises RunFailed, after tabulating the others, when some cells failed."""
-    plan = plan_comparison(config, overrides, variants, seeds, grid, partitions, writable=not dry_run)
+    plan = plan_comparison(
+        config, overrides, variants, seeds, grid, partitions, writable=not dry_run, baseline=baseline
+    )
     if dry_run:
         print_plan(plan, overwrite, console, err_console)
         return []
@@ -449,31 +472,43 @@ def run_comparison(
     run_dirs = {r.name: r.run_dir for r in results if r.status != "failed" or r.has_metrics}
     if not run_dirs:
         raise RunFailed(f"every run failed ({', '.join(failed)}); see their summary.json")
-    tabulate(list(run_dirs.values()), plan.out_dir, console)
+    tabulate(list(run_dirs.values()), plan.out_dir, console, baseline=plan.baseline)
     if len(plan.points) > 1:  # and each grid point on its own, beside its runs
         for point, names in plan.points.items():
             dirs = [run_dirs[n] for n in names if n in run_dirs]
             if dirs:
-                tabulate(dirs, plan.out_dir / point, console, show=False)
+                tabulate(dirs, plan.out_dir / point, console, show=False, baseline=plan.baseline)
     if failed:
         raise RunFailed(f"{len(failed)} of {len(plan.cells)} runs failed ({', '.join(failed)}); see their summary.json")
     return list(run_dirs.values())
 
 
-def tabulate(run_dirs: list[Path], out_dir: Path, console: Console, show: bool = True) -> None:
-    """comparison.md and comparison.png in ``out_dir``; the table is printed when ``show``."""
+def tabulate(run_dirs: list[Path], out_dir: Path, console: Console, show: bool = True, baseline: str = "auto") -> None:
+    """comparison.md and comparison.png in ``out_dir``; the table is printed when ``show``. Rows are compared with
+    ``baseline`` (report.summary_table); one whose runs' labels do not name it (a grid over its hyper-parameters)
+    is tabulated without, with a warning, rather than losing the tables of runs already made."""
     from fedhet.results.plots import plot_curves
-    from fedhet.results.report import group_runs, load_runs, print_table, summary_table, table_notes, to_markdown
+    from fedhet.results.report import (
+        NO_BASELINE,
+        group_runs,
+        load_runs,
+        print_report,
+        report_markdown,
+        summary_table,
+        table_notes,
+    )
 
     groups = group_runs(load_runs(run_dirs))
-    rows = summary_table(groups, metric="test_acc")
+    try:
+        rows = summary_table(groups, metric="test_acc", baseline=baseline)
+    except ConfigError as err:
+        print_warning(console, f"{err}; the table has no comparison with a baseline")
+        rows = summary_table(groups, metric="test_acc", baseline=NO_BASELINE)
     notes = table_notes(groups, rows)
-    (out_dir / "comparison.md").write_text(to_markdown(rows, notes) + "\n")
+    (out_dir / "comparison.md").write_text(report_markdown(rows, notes))
     # more methods than one axes shows legibly: one panel per method family (fedhet report --panels family)
     panels = "family" if len(groups) > PANEL_ABOVE else None
     plot = plot_curves(groups, out_dir / "comparison.png", metric="test_acc", panels=panels)
     if show:
-        print_table(rows, console)
-        for note in notes:
-            console.print(escape(note))
+        print_report(rows, console, notes)
         console.print(escape(f"table: {out_dir / 'comparison.md'}\nplot:  {plot}"))

@@ -19,13 +19,19 @@ from pathlib import Path
 
 from fedhet.results.plots import METRIC_LABELS, colour_hex, curves_figure, row_styles
 from fedhet.results.report import (
+    AUTO,
     Group,
+    Row,
     differing_keys,
     fmt,
     format_value,
     global_model_note,
     marked,
     partition_note,
+    rank_table,
+    rank_title,
+    stat_cells,
+    stats_notes,
     summary_table,
     table_cells,
 )
@@ -57,14 +63,18 @@ def write_html(
     panels: str | None = None,
     every_metric: bool = True,
     x: str = "round",
+    baseline: str = AUTO,
 ) -> Path:
     """The report page for `groups`: the shared setting and what tells the rows apart; for each metric (`metrics`,
-    then with ``every_metric`` each other metric of METRIC_LABELS that some run recorded) a mean ± std table and
-    its curves (against ``x``: "round" or "sim/time"); then each run's config."""
+    then with ``every_metric`` each other metric of METRIC_LABELS that some run recorded) a mean ± std table with
+    the statistics columns against ``baseline`` (report.summary_table), its legend and its curves (against ``x``:
+    "round" or "sim/time"); then each run's config."""
     from fedhet.paths import check_output_file
 
     check_output_file(path, "HTML report")  # before the work: a folder, FIFO or dangling link there is refused
     shown = reported_metrics(groups, metrics) if every_metric else list(metrics)
+    # every table first: a bad baseline fails before anything is drawn
+    tables = {metric: summary_table(groups, metric=metric, baseline=baseline) for metric in shown}
     swatches = {label: colour_hex(style.colour) for label, style in row_styles(groups, panels).items()}
     sections = [f"<h1>fedhet report</h1><p class='meta'>{len(groups)} groups, {sum(len(g.runs) for g in groups)} "
                 f"runs; written {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}</p>"]  # fmt: skip
@@ -78,9 +88,15 @@ def write_html(
         )
         # the chosen metric's table has every column (the global model's among them); the others' the columns that
         # depend on the metric
-        sections.append(html_table(groups, metric, swatches) if i == 0 else metric_table(groups, metric, swatches))
-        marks = global_model_note(summary_table(groups, metric=metric), None if i == 0 else metric)
-        sections += [f"<p class='note'>{escape(text)}</p>" for text in (marks, note) if text]
+        rows = tables[metric]
+        sections.append(html_table(rows, swatches) if i == 0 else metric_table(rows, swatches))
+        ranks = rank_table(rows)
+        if ranks is not None:
+            sections.append(f"<p class='note'>{escape(rank_title(rows))}:</p>")
+            sections.append(table_html(*ranks, {}))
+        marks = global_model_note(rows, None if i == 0 else metric)
+        for line in [text for text in (marks, note) if text] + stats_notes(rows):
+            sections.append(f"<p class='note'>{escape(line)}</p>")
         sections.append(curves_image(groups, metric, smooth, panels, x))
     sections.append("<h2 id='runs'>runs</h2>")
     sections += [run_details(group) for group in groups]
@@ -119,23 +135,21 @@ def table_html(header: list[str], cells: list[list[str]], swatches: dict[str, st
     return f"<div class='wide'><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
 
 
-def html_table(groups: list[Group], metric: str, swatches: dict[str, str] | None = None) -> str:
-    header, cells = table_cells(summary_table(groups, metric=metric))
+def html_table(rows: list[Row], swatches: dict[str, str] | None = None) -> str:
+    header, cells = table_cells(rows)
     return table_html(header, cells, swatches or {})
 
 
-def metric_table(groups: list[Group], metric: str, swatches: dict[str, str]) -> str:
-    """Final and best of `metric`, mean ± std over seeds, one row per group in the main table's order."""
-    rows = summary_table(groups, metric=metric)
-    header = ["run", "seeds", f"final {metric}", f"best {metric}"]
+def metric_table(rows: list[Row], swatches: dict[str, str]) -> str:
+    """Final (mean ± std, then the statistics columns) and best of one metric, a row per group in the main table's
+    order."""
+    metric = rows[0].metric if rows else "test_acc"
+    stats_header, stats = stat_cells(rows)
+    header = ["run", "seeds", f"final {metric}", *stats_header, f"best {metric}"]
     cells = [
-        [
-            r.label,
-            str(r.seeds),
-            marked(fmt(r.final_mean, r.final_std, metric=metric), r, metric),
-            marked(fmt(r.best_mean, r.best_std, metric=metric), r, metric),
-        ]
-        for r in rows
+        [r.label, str(r.seeds), marked(fmt(r.final_mean, r.final_std, metric=metric), r, metric), *extra]
+        + [marked(fmt(r.best_mean, r.best_std, metric=metric), r, metric)]
+        for r, extra in zip(rows, stats, strict=True)
     ]
     return table_html(header, cells, swatches)
 

@@ -22,14 +22,10 @@ from matplotlib.ticker import MaxNLocator
 from fedhet.errors import FedhetError
 from fedhet.results.report import (
     FAMILIES,
-    SETTING_SECTIONS,
     Group,
     Run,
-    differing_keys,
-    format_value,
     is_percent,
-    label_for,
-    short_names,
+    method_and_setting,
 )
 
 METRIC_LABELS = {
@@ -151,19 +147,6 @@ def curves_figure(
     handles, names = zip(*drawn.values(), strict=True)
     fig.legend(handles, names, loc="upper left", bbox_to_anchor=(1.0, 0.95), fontsize="small", frameon=False)
     return fig
-
-
-def method_and_setting(groups: list[Group]) -> tuple[list[str], list[str]]:
-    """Each group's method (its label without the setting: ``fedprox mu=0.1``) and setting (``alpha=0.1``, or
-    "all" where the groups share one)."""
-    settings = [g.settings for g in groups]
-    keys = differing_keys(settings, presence_counts=False)
-    setting_keys = [k for k in keys if k.startswith(SETTING_SECTIONS)]
-    method_keys = [k for k in keys if k not in setting_keys]
-    methods = [label_for(s, method_keys) for s in settings]
-    names = short_names(setting_keys)
-    setting = [" ".join(f"{names[k]}={format_value(s.get(k))}" for k in setting_keys) or "all" for s in settings]
-    return methods, setting
 
 
 def panel_names(groups: list[Group], panels: str | None) -> list[str]:

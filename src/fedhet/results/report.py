@@ -8,6 +8,9 @@ Standard deviations are over seeds, with Bessel's correction (ddof=1), shown for
 more seeds and left out for a single seed; count columns (clients never sampled) show their range instead.
 A metric no run recorded is refused (``check_metric``); the global-model cells of a method whose server model no
 client uses (``NO_GLOBAL_MODEL``: FedBN, FedPer) are marked and explained under the table (``table_notes``).
+Beside the final value: its 95 % t interval over seeds, each row's paired difference from a baseline method's row of
+the same setting (bootstrap interval, Wilcoxon p, pairs by seed and partition seed), and with several settings a
+table of average ranks; the statistics are results/stats.py's, the legend every format prints is `stats_notes`.
 """
 
 from __future__ import annotations
@@ -20,9 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fedhet.errors import ConfigError, FedhetError
+from fedhet.results.stats import (
+    BOOTSTRAP_SEED,
+    HIGHER,
+    LOWER,
+    RESAMPLES,
+    PairedDifference,
+    average_ranks,
+    paired_difference,
+    seed_summary,
+)
 from fedhet.results.store import Warn, read_json, read_metrics
 
 # where a run is: its folder and plug-in paths (where the code is, not a setting)
@@ -126,6 +140,12 @@ class Row:
     client_acc_worst10_std: float | None = None
     personal_acc_macro_std: float | None = None
     no_global_model: str | None = None  # the algorithm, when it is one of NO_GLOBAL_MODEL
+    final_ci: tuple[float, float] | None = None  # 95 % t interval of final_mean over seeds (two or more seeds)
+    method: str = ""  # the label without the setting (`fedprox mu=0.1`)
+    setting: str = "all"  # the dataset/partition/model/train values that tell settings apart (`alpha=0.1`)
+    baseline: str | None = None  # the method this row is compared with, in its setting; None: no comparison
+    versus: PairedDifference | None = None  # this row - baseline over the seeds both ran; None: no counterpart
+    unpaired: int = 0  # runs of this row or of its baseline left out for want of a partner
 
 
 # Personalised and fairness metrics shown as extra columns when some run recorded them. Personalisation that
@@ -352,6 +372,19 @@ def seeds_note(groups: list[Group]) -> str | None:
     )
 
 
+def method_and_setting(groups: list[Group]) -> tuple[list[str], list[str]]:
+    """Each group's method (its label without the setting: ``fedprox mu=0.1``) and setting (``alpha=0.1``, or
+    "all" where the groups share one)."""
+    settings = [g.settings for g in groups]
+    keys = differing_keys(settings, presence_counts=False)
+    setting_keys = [k for k in keys if k.startswith(SETTING_SECTIONS)]
+    method_keys = [k for k in keys if k not in setting_keys]
+    methods = [label_for(s, method_keys) for s in settings]
+    names = short_names(setting_keys)
+    setting = [" ".join(f"{names[k]}={format_value(s.get(k))}" for k in setting_keys) or "all" for s in settings]
+    return methods, setting
+
+
 def make_labels(settings: list[dict[str, Any]]) -> list[str]:
     """Algorithm name plus the settings whose values differ between groups; unique and short."""
     keys = differing_keys(settings, presence_counts=False)
@@ -450,13 +483,94 @@ def dedupe(labels: list[str]) -> list[str]:
     return result
 
 
-def summary_table(groups: list[Group], metric: str = "test_acc") -> list[Row]:
-    return [summary_row(group, metric) for group in groups]
+AUTO = "auto"  # the default baseline: fedavg where a row of that method is there
+AUTO_BASELINE = "fedavg"
+NO_BASELINE = "none"
+
+
+def summary_table(groups: list[Group], metric: str = "test_acc", baseline: str = AUTO) -> list[Row]:
+    """One row per group: mean ± std over seeds, the final value's 95 % t interval, and with a ``baseline`` (a
+    method, as the rows name it without their setting) each row's paired difference from that method's row in the
+    same setting. ``baseline``: "auto" (fedavg when some row is plain fedavg and some row has two seeds paired with
+    it), "none", or a method name."""
+    rows = [summary_row(group, metric) for group in groups]
+    methods, settings = method_and_setting(groups)
+    for row, method, setting in zip(rows, methods, settings, strict=True):
+        row.method, row.setting = method, setting
+    chosen = baseline_method(methods, baseline)
+    if chosen is None:
+        return rows
+    try:
+        compare_with_baseline(groups, rows, chosen, metric)
+    except ConfigError:
+        if baseline != AUTO:
+            raise
+    if baseline == AUTO and not any(r.versus is not None and r.versus.n >= 2 for r in rows):
+        for row in rows:  # a default that has nothing to say (or cannot tell which fedavg) stays out of the table
+            row.baseline, row.versus, row.unpaired = None, None, 0
+    return rows
+
+
+def baseline_method(methods: list[str], baseline: str) -> str | None:
+    """The method rows are compared with, or None; a name that no row has is an error naming the choices."""
+    if baseline == NO_BASELINE:
+        return None
+    if baseline == AUTO:
+        return AUTO_BASELINE if AUTO_BASELINE in methods else None
+    if baseline not in methods:
+        choices = ", ".join([*dict.fromkeys(methods), AUTO, NO_BASELINE])
+        raise ConfigError(f"baseline {baseline!r} is not a method of these runs; choose one of: {choices}")
+    return baseline
+
+
+def compare_with_baseline(groups: list[Group], rows: list[Row], baseline: str, metric: str) -> None:
+    """Each row's paired difference from the baseline's row in its setting (over the seeds both ran on the same
+    partition); the baseline row itself and rows of a setting without the baseline get none."""
+    base = {}
+    for group, row in zip(groups, rows, strict=True):
+        if row.method == baseline:
+            if row.setting in base:  # rows that differ only in a key some runs lack (a newer option)
+                raise ConfigError(
+                    f"baseline {baseline!r} is two rows of one setting ({base[row.setting][1]}; {row.label}); "
+                    "choose another baseline, or none"
+                )
+            base[row.setting] = (group, row.label)
+    for group, row in zip(groups, rows, strict=True):
+        counterpart = base.get(row.setting, (None,))[0]
+        if counterpart is None:
+            continue
+        row.baseline = baseline
+        if counterpart is group:
+            continue
+        mine, theirs, row.unpaired = paired_finals(group.runs, counterpart.runs, metric)
+        row.versus = paired_difference(mine, theirs)
+
+
+def paired_finals(runs: list[Run], base_runs: list[Run], metric: str) -> tuple[list[float], list[float], int]:
+    """The final ``metric`` of ``runs`` and of ``base_runs`` paired by seed and partition seed (sorted by them, so
+    the bootstrap sees the same order however the folders were found), and how many runs of either had no
+    partner: a seed only one side ran, one that a side holds twice, or a run that did not record the metric."""
+    mine, theirs = finals_by_seed(runs, metric), finals_by_seed(base_runs, metric)
+    shared = sorted(set(mine) & set(theirs))
+    unpaired = len(runs) + len(base_runs) - 2 * len(shared)
+    return [mine[k] for k in shared], [theirs[k] for k in shared], unpaired
+
+
+def finals_by_seed(runs: list[Run], metric: str) -> dict[tuple, float]:
+    """(seed, partition seed) -> final value, for the keys exactly one run has, with a finite value."""
+    keys = [(value_key(run.config.get("run", {}).get("seed")), value_key(partition_seed(run))) for run in runs]
+    found = {}
+    for key, run in zip(keys, runs, strict=True):
+        value = run.final(metric)
+        if keys.count(key) == 1 and value is not None and math.isfinite(value):
+            found[key] = value
+    return found
 
 
 def summary_row(group: Group, metric: str) -> Row:
     runs = group.runs
     final_mean, final_std = mean_std([r.final(metric) for r in runs])
+    final = seed_summary([r.final(metric) for r in runs])
     best_mean, best_std = mean_std([r.best(metric) for r in runs])
     dist, dist_std = mean_std([r.final("client_dist_acc") for r in runs])
     worst, worst_std = mean_std([r.final("client_acc_worst10") for r in runs])
@@ -485,6 +599,7 @@ def summary_row(group: Group, metric: str) -> Row:
         client_acc_worst10_std=worst_std,
         personal_acc_macro_std=personal_std,
         no_global_model=algorithm if algorithm in NO_GLOBAL_MODEL else None,
+        final_ci=None if final.ci_low is None or final.ci_high is None else (final.ci_low, final.ci_high),
     )
 
 
@@ -526,9 +641,11 @@ def table_cells(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
         if any(getattr(r, key) for r in rows)
     ]
     header += trouble
+    stats_header, stats = stat_cells(rows)
+    header[3:3] = stats_header  # beside the final value they are about
     cells = []
-    for r in rows:
-        line = [r.label, str(r.seeds), marked(fmt(r.final_mean, r.final_std, metric=metric), r, metric)]
+    for r, extra in zip(rows, stats, strict=True):
+        line = [r.label, str(r.seeds), marked(fmt(r.final_mean, r.final_std, metric=metric), r, metric), *extra]
         line += [marked(fmt(r.best_mean, r.best_std, metric=metric), r, metric)]
         line += [marked(fmt(r.client_dist_acc, r.client_dist_acc_std, metric="acc"), r, "client_dist_acc")]
         line += [marked(fmt(r.client_acc_worst10, r.client_acc_worst10_std, metric="acc"), r, "client_acc_worst10")]
@@ -572,6 +689,126 @@ def table_notes(groups: list[Group], rows: list[Row]) -> list[str]:
     return [note for note in (global_model_note(rows), partition_note(groups)) if note]
 
 
+def stat_cells(rows: list[Row]) -> tuple[list[str], list[list[str]]]:
+    """The statistics columns of a table of ``rows`` (one metric): the final value's 95 % interval over seeds where
+    some row has two seeds, and with a baseline the paired difference from it, its p-value and the pairs used."""
+    metric = rows[0].metric if rows else "test_acc"
+    header: list[str] = []
+    cells: list[list[str]] = [[] for _ in rows]
+    if any(r.final_ci is not None for r in rows):
+        header.append(CI_COLUMN)
+        for line, r in zip(cells, rows, strict=True):
+            line.append(fmt_interval(r.final_ci, metric) if r.final_ci else MISSING)
+    baseline = next((r.baseline for r in rows if r.baseline is not None), None)
+    if baseline is not None:
+        header += [f"Δ vs {baseline}", P_COLUMN, "pairs"]
+        for line, r in zip(cells, rows, strict=True):
+            line += versus_cells(r)
+    return header, cells
+
+
+CI_COLUMN = "95% CI"
+P_COLUMN = "p (Wilcoxon)"
+NOT_AVAILABLE = "n/a"
+
+
+def versus_cells(row: Row) -> list[str]:
+    """Δ [interval] marker, p and pairs of a row against its baseline."""
+    if row.baseline is None:
+        return [MISSING] * 3
+    if row.versus is None:  # the baseline row itself
+        return ["baseline", MISSING, MISSING]
+    v = row.versus
+    if v.mean is None:
+        return [NOT_AVAILABLE, NOT_AVAILABLE, str(v.n)]
+    interval = fmt_interval((v.ci_low, v.ci_high), row.metric, signed=True) if v.ci_low is not None else ""
+    delta = " ".join(part for part in (fmt_signed(v.mean, row.metric), interval, v.marker) if part)
+    return [delta, NOT_AVAILABLE if v.p is None else f"{v.p:.3g}", str(v.n)]
+
+
+def fmt_signed(value: float, metric: str) -> str:
+    scale, spec = (100.0, "+.2f") if is_percent(metric) else (1.0, "+.4g")
+    return format(value * scale, spec)
+
+
+def fmt_interval(interval: tuple[float | None, float | None], metric: str, signed: bool = False) -> str:
+    """``[80.52, 83.48]``; a difference's with signs: ``[+0.30, +2.10]``."""
+    low, high = interval
+    if low is None or high is None:
+        return MISSING
+    if signed:
+        return f"[{fmt_signed(low, metric)}, {fmt_signed(high, metric)}]"
+    return f"[{fmt(low, metric=metric)}, {fmt(high, metric=metric)}]"
+
+
+def stats_notes(rows: list[Row]) -> list[str]:
+    """The legend of the statistics columns and of the rank table: which test, over how many pairs, and what a
+    marker means. Empty when the table has none of them."""
+    if not rows:
+        return []
+    metric = rows[0].metric
+    better = "lower" if lower_is_better(metric) else "higher"
+    notes = []
+    if any(r.final_ci is not None for r in rows):
+        notes.append(
+            f"{CI_COLUMN}: Student t interval of the mean final {metric} over a row's seeds "
+            f"(scipy.stats.ttest_1samp); ± is the sample std (n-1)."
+        )
+    baseline = next((r.baseline for r in rows if r.baseline is not None), None)
+    if baseline is not None:
+        notes.append(versus_note(rows, baseline, metric, better))
+    if rank_table(rows) is not None:
+        notes.append(
+            f"avg rank: each method's mean final {metric} ranked within each setting (1 = best, {better} is "
+            "better; ties share the average rank, scipy.stats.rankdata), averaged over the settings it ran in."
+        )
+    return notes
+
+
+def versus_note(rows: list[Row], baseline: str, metric: str, better: str) -> str:
+    compared = [r.versus for r in rows if r.versus is not None]
+    counts = sorted({v.n for v in compared})
+    pairs = "no row" if not counts else f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
+    unpaired = sum(r.unpaired for r in rows)
+    runs = "1 run" if unpaired == 1 else f"{unpaired} runs"
+    left_out = f"; {runs} without a partner left out" if unpaired else ""
+    unit = " (percentage points)" if is_percent(metric) else ""
+    return (
+        f"Δ vs {baseline}: mean of the paired differences row − {baseline} in final {metric}{unit}, against "
+        f"{baseline}'s row of the same setting; two runs pair when they share the seed and the partition seed "
+        f"({pairs} pairs per row{left_out}). In brackets: the 95% paired bootstrap interval of that mean "
+        f"(scipy.stats.bootstrap, percentile, {RESAMPLES} resamples, seed {BOOTSTRAP_SEED}), never wider than the "
+        f"differences' range, so with few pairs read it beside p; {HIGHER} / {LOWER}: the interval lies wholly above "
+        f"/ below 0 ({better} is better for {metric}). {P_COLUMN}: two-sided signed-rank test (scipy.stats.wilcoxon; "
+        f"at least 0.25 with 3 pairs). {NOT_AVAILABLE}: fewer than 2 pairs, or no nonzero difference."
+    )
+
+
+def rank_table(rows: list[Row]) -> tuple[list[str], list[list[str]]] | None:
+    """Methods x settings, each cell the method's mean final value and its rank there, then the average rank; None
+    with fewer than two settings or two methods."""
+    settings = list(dict.fromkeys(r.setting for r in rows))
+    methods = list(dict.fromkeys(r.method for r in rows))
+    cells = {(r.setting, r.method) for r in rows}
+    if len(settings) < 2 or len(methods) < 2 or len(cells) < len(rows):  # two rows of one method in a setting
+        return None
+    metric = rows[0].metric
+    means = {s: {r.method: r.final_mean for r in rows if r.setting == s} for s in settings}
+    ranks, average = average_ranks(means, lower_is_better(metric))
+    header = ["method", *settings, "avg rank"]
+    cells = []
+    for method in methods:
+        line = [method]
+        for s in settings:
+            rank = ranks.get(s, {}).get(method)
+            value = means[s].get(method)
+            shown = fmt(value, metric=metric) + ("" if rank is None else f" ({rank:g})")
+            line.append(MISSING if value is None else shown)
+        line.append(MISSING if method not in average else f"{average[method]:.2f}")
+        cells.append(line)
+    return header, cells
+
+
 def fmt(value: float | None, std: float | None = None, *, metric: str) -> str:
     """Accuracies and rates as percentages with two decimals, other metrics with four significant digits."""
     if value is None:
@@ -590,24 +827,56 @@ def fmt_range(low: float | None, high: float | None) -> str:
 
 
 def print_table(rows: list[Row], console: Console | None = None, title: str | None = None) -> None:
-    header, cells = table_cells(rows)
+    print_cells(*table_cells(rows), console or Console(), title)
+
+
+def print_cells(header: list[str], cells: list[list[str]], console: Console, title: str | None = None) -> None:
     table = Table(title=title)
     # Nothing is cut where the console is narrow: a number and each word of its header keep their full width (the
     # header wraps between words), a long label wraps onto more lines instead of squeezing the numbers out, and a
     # table still too wide is printed wider than the console rather than cropped.
     labels = max([len(line[0]) for line in cells] + [12])
-    table.add_column(header[0], justify="left", overflow="fold", min_width=min(labels, 40))
+    table.add_column(escape(header[0]), justify="left", overflow="fold", min_width=min(labels, 40))
     for i, name in enumerate(header[1:], start=1):
         widest = max([len(line[i]) for line in cells] + [len(word) for word in name.split()])
-        table.add_column(name, justify="right", overflow="fold", min_width=widest)
+        table.add_column(escape(name), justify="right", overflow="fold", min_width=widest)
     for line in cells:
-        table.add_row(*line)
-    (console or Console()).print(table, crop=False)
+        table.add_row(*map(escape, line))  # intervals and labels ([32]) are text, not markup
+    console.print(table, crop=False)
 
 
-def to_markdown(rows: list[Row], notes: list[str] | None = None) -> str:
-    """The table in Markdown, each of ``notes`` a paragraph under it."""
-    header, cells = table_cells(rows)
+def print_report(rows: list[Row], console: Console, notes: list[str] | None = None) -> None:
+    """The table, the rank table over settings (where there are several), then the notes (``table_notes``) and the
+    legend."""
+    print_table(rows, console)
+    ranks = rank_table(rows)
+    if ranks is not None:
+        print_cells(*ranks, console, title=rank_title(rows))
+    for line in (notes or []) + stats_notes(rows):
+        console.print(escape(line))
+
+
+def rank_title(rows: list[Row]) -> str:
+    settings = len(dict.fromkeys(r.setting for r in rows))
+    return f"average rank over {settings} settings (final {rows[0].metric})"
+
+
+def to_markdown(rows: list[Row]) -> str:
+    return cells_markdown(*table_cells(rows))
+
+
+def cells_markdown(header: list[str], cells: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|"]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in line) + " |" for line in cells]
-    return "\n".join(lines) + "\n" + "".join(f"\n{note}\n" for note in notes or [])
+    return "\n".join(lines) + "\n"
+
+
+def report_markdown(rows: list[Row], notes: list[str] | None = None) -> str:
+    """comparison.md and ``fedhet report --markdown``: the table, the rank table, the notes (``table_notes``) and
+    the legend."""
+    parts = [to_markdown(rows)]
+    ranks = rank_table(rows)
+    if ranks is not None:
+        parts.append(f"{rank_title(rows)}:\n\n{cells_markdown(*ranks)}")
+    parts += [line + "\n" for line in (notes or []) + stats_notes(rows)]
+    return "\n".join(parts) + "\n"
