@@ -7,10 +7,10 @@ The Python API (``fedhet/api.py``; the CLI is built on it)::
     result = fedhet.run({"dataset": {"name": "digits"}, "model": {"name": "mlp"}}, algorithm="scaffold", rounds=5)
     print(result.final["test_acc"])
 
-``make_config``, ``run``, ``resume``, ``compare``, ``report``, ``load_run`` / ``load_runs``, ``RunResult`` and
-``records_dataframe`` (several runs' records as one pandas DataFrame) are here; ``load_plugins`` loads plug-ins
-(algorithms, models, datasets, partitioners defined outside fedhet). They are imported on first use, so
-``import fedhet`` stays light.
+``make_config``, ``run``, ``resume``, ``compare``, ``tune`` (hyper-parameters chosen on validation data),
+``report``, ``load_run`` / ``load_runs``, ``RunResult`` and ``records_dataframe`` (several runs' records as one pandas
+DataFrame) are here; ``load_plugins`` loads plug-ins (algorithms, models, datasets, partitioners defined outside
+fedhet). They are imported on first use, so ``import fedhet`` stays light.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
         report,
         resume,
         run,
+        tune,
     )
     from fedhet.config import Config
     from fedhet.plugins import load as load_plugins
@@ -43,6 +44,7 @@ _API = {
     "run": ("fedhet.api", "run"),
     "resume": ("fedhet.api", "resume"),
     "compare": ("fedhet.api", "compare"),
+    "tune": ("fedhet.api", "tune"),
     "report": ("fedhet.api", "report"),
     "load_run": ("fedhet.api", "load_run"),
     "load_runs": ("fedhet.api", "load_runs"),
@@ -63,6 +65,7 @@ __all__ = [
     "report",
     "resume",
     "run",
+    "tune",
 ]
 
 
