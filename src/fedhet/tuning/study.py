@@ -93,6 +93,7 @@ def optuna_module() -> Any:
 def storage(out_dir: Path) -> Any:
     """The study's RDB storage, ``sqlite:///OUT/study.db``, waiting for a lock rather than failing at once."""
     optuna = optuna_module()
+    out_dir.mkdir(parents=True, exist_ok=True)
     url = f"sqlite:///{(out_dir / STUDY_FILE).resolve()}"
     try:
         return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": SQLITE_TIMEOUT_S}})
