@@ -118,9 +118,9 @@ def test_a_grid_smaller_than_the_trials_is_refused(tmp_path):
 def test_a_tune_folder_in_use_is_refused(tmp_path):
     p = plan(tmp_path)
     p.out_dir.mkdir(parents=True)
-    with FileLock(p.out_dir / LOCK_FILE, timeout=0):
-        with pytest.raises(ConfigError, match="is in use: another fedhet tune is running there"):
-            fedhet.tune(None, TINY, space=["train.lr"], trials=2, algorithm="fedprox", out=str(tmp_path), name="tune")
+    in_use = pytest.raises(ConfigError, match="is in use: another fedhet tune is running there")
+    with FileLock(p.out_dir / LOCK_FILE, timeout=0), in_use:
+        fedhet.tune(None, TINY, space=["train.lr"], trials=2, algorithm="fedprox", out=str(tmp_path), name="tune")
 
 
 def test_a_study_made_for_another_config_is_refused_naming_what_differs(tmp_path):
@@ -283,10 +283,10 @@ def test_a_killed_tune_resumes_without_duplicating_finished_trials(tmp_path):
     assert {t.number: t.params for t in done if t.number in before} == before  # finished trials kept as they were
     params = [tuple(sorted(t.params.items())) for t in done]
     assert len(set(params)) == len(params)  # none ran twice
-    interrupted = [t for t in study.trials if t.state == optuna.trial.TrialState.FAIL]
-    for t in interrupted:  # a trial the kill left running was rerun with its parameters
-        successor = next(s for s in study.trials if s.user_attrs.get("continues") == t.number)
-        assert successor.params == t.params and successor.state.is_finished()
+    successors = {s.user_attrs["continues"]: s for s in study.trials if "continues" in s.user_attrs}
+    for t in study.trials:  # a trial the kill left running was rerun with its parameters, and is the only FAIL
+        if t.state == optuna.trial.TrialState.FAIL:
+            assert successors[t.number].params == t.params and successors[t.number].state.is_finished()
     assert json.loads((tmp_path / "tu" / "tune.json").read_text())["budget"]["trials"] == trials
 
 

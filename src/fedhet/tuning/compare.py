@@ -53,16 +53,15 @@ class TuneOptions:
 
     def seed(self) -> int:
         """The tuning seed (one: a trial's objective is one run's)."""
-        from fedhet.comparison import parse_seeds
-
         if self.seeds is None:
             return DEFAULT_TUNE_SEED
-        seeds = self.seeds if isinstance(self.seeds, list) else parse_seeds(str(self.seeds))
-        if len(seeds) != 1:
+        parts = self.seeds if isinstance(self.seeds, list) else str(self.seeds).split(",")
+        text = [str(p).strip() for p in parts]
+        if len(text) != 1 or not (text[0].isascii() and text[0].isdigit()):
             raise ConfigError(
                 f"--tune-seeds {self.seeds!r}: give one tuning seed (a trial is one run on it), e.g. --tune-seeds 100"
             )
-        return seeds[0]
+        return int(text[0])
 
 
 @dataclass

@@ -49,6 +49,7 @@ class TunePlan:
     base: Config  # the trials' config without their values: run.out_dir = OUT/trials
     space: SearchSpace
     settings: TuneSettings
+    progress: bool = True  # run.progress of the config tuned: the live display (the trials' own bars are off)
 
 
 @dataclass
@@ -125,7 +126,7 @@ def plan_tune(cfg: Config, specs: list[str], settings: TuneSettings, out_dir: Pa
         )
     raw = cfg.to_dict()
     raw["run"].update(out_dir=str(out_dir / TRIALS_DIR), name=None, progress=False)
-    return TunePlan(out_dir, build_config(raw), space, settings)
+    return TunePlan(out_dir, build_config(raw), space, settings, cfg.run.progress)
 
 
 def lock_tune_dir(out_dir: Path) -> FileLock:
@@ -163,7 +164,7 @@ def tune(
         done = len(counted(study))
         todo = max(plan.settings.trials - done, 0)
         threads = threads or max(1, usable_cores() // max(jobs, 1))
-        with TuneDisplay(console, plan, done, progress and plan.base.run.progress) as display:
+        with TuneDisplay(console, plan, done, progress and plan.progress) as display:
             if rerun:
                 display.note(f"rerunning trial(s) {', '.join(map(str, rerun))}, which a killed tune left running")
             if done:
