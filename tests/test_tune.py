@@ -313,7 +313,7 @@ def test_compare_tune_tunes_each_variant_and_tabulates_the_chosen_values(tmp_pat
     rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| fed")}
     assert "train.lr=" in rows["fedavg"] and "algorithm.mu=" not in rows["fedavg"]
     assert "algorithm.mu=" in rows["fedprox"] and "train.lr=" in rows["fedprox"]
-    assert all("| 2 | 2 of 2 |" in row for row in rows.values())  # the same budget: 2 trials x 1 round
+    assert all("| 2 | 2 of 2 |" in rows[v] for v in ("fedavg", "fedprox")), table  # the same budget: 2 x 1 round
     tuned = json.loads((tmp_path / "tuning" / "fedprox" / "tune.json").read_text())
     final = json.loads((tmp_path / "fedprox-s0" / "config.json").read_text())
     assert final["algorithm"]["mu"] == tuned["best"]["params"]["algorithm.mu"]
