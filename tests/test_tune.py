@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 import fedhet
 from fedhet.cli import app
-from fedhet.errors import ConfigError
+from fedhet.errors import ConfigError, RunFailed
 
 optuna = pytest.importorskip("optuna")
 
@@ -321,3 +321,48 @@ def test_compare_tune_tunes_each_variant_and_tabulates_the_chosen_values(tmp_pat
     record = json.loads((tmp_path / "fedprox-s0" / "provenance.json").read_text())["tuning"]
     assert record["study"]["name"] == "fedprox" and record["study"]["path"].endswith("tuning/fedprox/study.db")
     assert record["trial"] == tuned["best"]["trial"] and record["objective"]["metric"] == "val_acc"
+
+
+class _AlwaysPrune:
+    """A pruner that stops every trial at its first report (Optuna's BasePruner interface)."""
+
+    def prune(self, study, trial) -> bool:
+        return True
+
+
+@pytest.mark.slow  # two worker processes start (torch import each): 20-40 s on a shared 2-core machine
+def test_pruned_trials_end_early_in_workers_and_count_the_rounds_they_ran(tmp_path, monkeypatch):
+    from fedhet.tuning import tuner
+
+    monkeypatch.setattr("fedhet.tuning.study.make_pruner", lambda kind, rounds: _AlwaysPrune())
+    p = plan(tmp_path, "run.rounds=3", trials=3)
+    result = tuner.tune(p, jobs=2, threads=1)
+    assert result.best_trial is None
+    assert result.budget == {
+        "trials": 3,
+        "complete": 0,
+        "pruned": 3,
+        "failed": 0,
+        "rounds_per_trial": 3,
+        "rounds_run": 3,  # each stopped after its first round
+        "rounds_nominal": 9,
+    }
+    for number in range(3):
+        summary = json.loads((p.out_dir / "trials" / str(number) / "summary.json").read_text())
+        assert (summary["status"], summary["rounds_done"]) == ("pruned", 1)
+    with pytest.raises(RunFailed, match="no trial of the tune in .* completed"):
+        tuner.raise_if_nothing(result)
+
+
+def test_a_grid_sampler_suggests_distinct_grid_points(tmp_path):
+    p = plan(tmp_path, space=["train.lr=choice:0.01,0.1"], trials=6, sampler="grid")
+    study = open_study(p.out_dir, p.base, p.space, p.settings, parallel=False)
+    grid = grid_space(p.space)
+    seen = set()
+    for _ in range(6):
+        trial = study.ask()
+        values = p.space.suggest(trial)
+        assert all(values[k] in grid[k] for k in grid)
+        seen.add(tuple(values.values()))
+        study.tell(trial, 0.5)
+    assert len(seen) == 6

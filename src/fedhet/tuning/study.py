@@ -132,8 +132,19 @@ def make_sampler(kind: str, space: SearchSpace, seed: int, parallel: bool) -> An
     if kind == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if kind == "grid":
-        return optuna.samplers.GridSampler(grid_space(space), seed=seed)
+        return _grid_sampler(optuna)(grid_space(space), seed=seed)
     return optuna.samplers.TPESampler(seed=seed, constant_liar=parallel)
+
+
+def _grid_sampler(optuna: Any) -> type:
+    class AskTellGrid(optuna.samplers.GridSampler):
+        """Optuna's grid sampler, minus its ``study.stop()`` once the grid is covered: that works inside
+        ``study.optimize`` only, and raised in the tell of the last point here (``--trials`` ends the tune)."""
+
+        def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+            return None
+
+    return AskTellGrid
 
 
 def make_pruner(kind: str, rounds: int) -> Any:

@@ -418,7 +418,9 @@ def print_result(result: TuneResult, console: Console) -> None:
     if result.best_trial is None:
         console.print(escape(f"no trial completed; budget: {budget_text(result.budget)}"))
         return
-    console.print(escape(f"best: trial {result.best_trial}, {result.metric} = {result.best_value:.4f}"))
+    console.print(
+        escape(f"best: trial {result.best_trial}, {result.metric} = {result.best_value:.4f}"), highlight=False
+    )
     table = Table()
     table.add_column("parameter")
     table.add_column("best value", justify="right")
