@@ -181,6 +181,7 @@ def test_a_rerun_takes_over_the_folder_of_the_trial_it_continues(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- a trial
+@pytest.mark.slow  # trains one round, then resumes the folder to round 3: 3-12 s on a shared 2-core machine
 def test_a_pruned_trial_stops_cleanly_and_counts_the_rounds_it_ran(tmp_path):
     from fedhet.cells import _DataCache
 
