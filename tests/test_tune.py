@@ -367,3 +367,17 @@ def test_a_grid_sampler_suggests_distinct_grid_points(tmp_path):
         seen.add(tuple(values.values()))
         study.tell(trial, 0.5)
     assert len(seen) == 6
+
+
+def test_a_trial_in_a_worker_process_trains_its_clients_there(tmp_path):
+    """A worker process may not start processes of its own: its trials run with run.workers = 1 whatever the config
+    says (auto starts client processes on a machine of 4 cores or more)."""
+    from fedhet.tuning.tuner import next_job
+
+    p = plan(tmp_path, "run.workers=0")
+    study = open_study(p.out_dir, p.base, p.space, p.settings, parallel=True)
+    _, here = next_job(study, p)
+    _, there = next_job(study, p, in_worker=True)
+    assert here.raw["run"]["workers"] == 0 and there.raw["run"]["workers"] == 1
+    assert (here.raw["run"]["name"], there.raw["run"]["name"]) == ("0", "1")
+    assert there.raw["run"]["out_dir"] == str(p.out_dir / "trials")

@@ -182,12 +182,16 @@ def tune(
 
 
 # ---------------------------------------------------------------------------------------------- asking and telling
-def next_job(study: Any, plan: TunePlan) -> tuple[Any, TrialJob]:
-    """Ask Optuna for a trial (an enqueued rerun first) and its values; the job that trains it."""
+def next_job(study: Any, plan: TunePlan, in_worker: bool = False) -> tuple[Any, TrialJob]:
+    """Ask Optuna for a trial (an enqueued rerun first) and its values; the job that trains it. A trial run in a
+    worker process trains its clients there (``run.workers = 1``: a worker may not start processes of its own), as
+    compare's cells do."""
     trial = study.ask()
     values = plan.space.suggest(trial)
     raw = configured(plan.base, values).to_dict()
     raw["run"]["name"] = str(trial.number)
+    if in_worker:
+        raw["run"]["workers"] = 1
     chain = list(trial.user_attrs.get("continued_from", []))
     return trial, TrialJob(trial.number, raw, plan.settings.metric, plan.settings.reduce, chain)
 
@@ -289,7 +293,7 @@ def _run_in_workers(study: Any, plan: TunePlan, workers: int, threads: int, disp
         while finished < target:
             for slot in slots:
                 if slot.proc is not None and slot.trial is None and finished + running() < target:
-                    slot.trial, job = next_job(study, plan)
+                    slot.trial, job = next_job(study, plan, in_worker=True)
                     with suppress(OSError):
                         slot.conn.send(job)
             live = [s for s in slots if s.proc is not None]
