@@ -296,7 +296,9 @@ def test_compare_tune_refuses_a_key_no_variant_has_and_a_reused_seed(tmp_path):
     result = runner.invoke(app, [*base, "--tune", "2", "-t", "algorithm.tau"])
     assert "-t algorithm.tau: no variant of this comparison can tune it (fedavg, fedprox)" in str(result.exception)
     result = runner.invoke(app, [*base, "--tune", "2", "--tune-seeds", "0"])
-    assert "the tuning seed 0 is also a seed of the comparison" in str(result.exception)
+    assert "the tuning seed(s) 0 are also seeds of the comparison (0)" in str(result.exception)
+    result = runner.invoke(app, [*base, "--tune", "2", "--tune-seeds", "100,x"])
+    assert "--tune-seeds '100,x': give distinct seeds as a comma list" in str(result.exception)
     result = runner.invoke(app, [*base, "-t", "train.lr"])
     assert "-t set(s) how compare tunes: add --tune TRIALS" in str(result.exception)
     result = runner.invoke(app, [*base, "--tune", "2", "--metric", "test_acc"])
@@ -307,14 +309,16 @@ def test_compare_tune_refuses_a_key_no_variant_has_and_a_reused_seed(tmp_path):
 @pytest.mark.slow  # two variants x 2 trials x 2 rounds, then their final runs: 30-60 s on a shared 2-core machine
 def test_compare_tune_tunes_each_variant_and_tabulates_the_chosen_values(tmp_path):
     args = ["compare", "-v", "fedavg,fedprox", "--seeds", "0", "--tune", "2", "-t", "train.lr=log:0.01:0.3"]
-    result = runner.invoke(app, [*args, "--tune-rounds", "1", *TINY_ARGS, "-o", str(tmp_path)])
+    result = runner.invoke(
+        app, [*args, "--tune-rounds", "1", "--tune-seeds", "100,101", *TINY_ARGS, "-o", str(tmp_path)]
+    )
     assert result.exit_code == 0, result.output
     table = (tmp_path / "comparison.md").read_text()
-    assert "## Tuning: 2 trials x 1 rounds per variant, seed 100, on val_acc (last)" in table
+    assert "## Tuning: 2 trials x 1 rounds per variant, seeds 100,101 (mean), on val_acc (last)" in table
     rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| fed")}
     assert "train.lr=" in rows["fedavg"] and "algorithm.mu=" not in rows["fedavg"]
     assert "algorithm.mu=" in rows["fedprox"] and "train.lr=" in rows["fedprox"]
-    assert all("| 2 | 2 of 2 |" in rows[v] for v in ("fedavg", "fedprox")), table  # the same budget: 2 x 1 round
+    assert all("| 2 | 4 of 4 |" in rows[v] for v in ("fedavg", "fedprox")), table  # the same: 2 x 1 round x 2 seeds
     tuned = json.loads((tmp_path / "tuning" / "fedprox" / "tune.json").read_text())
     final = json.loads((tmp_path / "fedprox-s0" / "config.json").read_text())
     assert final["algorithm"]["mu"] == tuned["best"]["params"]["algorithm.mu"]
@@ -322,6 +326,10 @@ def test_compare_tune_tunes_each_variant_and_tabulates_the_chosen_values(tmp_pat
     record = json.loads((tmp_path / "fedprox-s0" / "provenance.json").read_text())["tuning"]
     assert record["study"]["name"] == "fedprox" and record["study"]["path"].endswith("tuning/fedprox/study.db")
     assert record["trial"] == tuned["best"]["trial"] and record["objective"]["metric"] == "val_acc"
+    best = tmp_path / "tuning" / "fedprox" / "trials" / str(record["trial"])
+    values = [fedhet.load_run(best / f"s{seed}").records[-1]["val_acc"] for seed in (100, 101)]
+    assert record["objective"]["value"] == pytest.approx(sum(values) / 2)  # the mean over the tuning seeds
+    assert [fedhet.load_run(best / f"s{seed}").config["run"]["seed"] for seed in (100, 101)] == [100, 101]
 
 
 class _AlwaysPrune:
@@ -381,3 +389,22 @@ def test_a_trial_in_a_worker_process_trains_its_clients_there(tmp_path):
     assert here.raw["run"]["workers"] == 0 and there.raw["run"]["workers"] == 1
     assert (here.raw["run"]["name"], there.raw["run"]["name"]) == ("0", "1")
     assert there.raw["run"]["out_dir"] == str(p.out_dir / "trials")
+
+
+def test_several_tuning_seeds_give_a_trial_one_run_folder_per_seed(tmp_path):
+    from fedhet.tuning.trials import seed_runs
+    from fedhet.tuning.tuner import next_job
+
+    p = plan_tune(tiny(tmp_path), [], TuneSettings(2), tmp_path / "tune", seeds=[100, 101])
+    assert p.rounds_per_trial == 4 and p.base.run.seed == 100
+    study = open_study(p.out_dir, p.base, p.space, p.settings, parallel=False, seeds=p.seeds)
+    _, job = next_job(study, p)
+    runs = seed_runs(job, tmp_path / "tune" / "trials" / "0")
+    assert [(d.relative_to(tmp_path).as_posix(), r["run"]["seed"]) for d, r in runs] == [
+        ("tune/trials/0/s100", 100),
+        ("tune/trials/0/s101", 101),
+    ]
+    one = plan_tune(tiny(tmp_path), [], TuneSettings(2), tmp_path / "one", seeds=[7])
+    assert one.seeds == [] and one.base.run.seed == 7  # one seed: the trial's own run folder
+    with pytest.raises(ConfigError, match=r"seeds: \[100, 101\] -> \[100, 102\]"):
+        open_study(p.out_dir, p.base, p.space, p.settings, parallel=False, seeds=[100, 102])

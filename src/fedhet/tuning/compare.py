@@ -51,17 +51,18 @@ class TuneOptions:
     def settings(self) -> TuneSettings:
         return TuneSettings(self.trials, self.metric, self.reduce, self.sampler, self.pruner)
 
-    def seed(self) -> int:
-        """The tuning seed (one: a trial's objective is one run's)."""
+    def seed_list(self) -> list[int]:
+        """The tuning seeds (default 100): with several, each trial runs one run per seed, scored by their mean."""
         if self.seeds is None:
-            return DEFAULT_TUNE_SEED
+            return [DEFAULT_TUNE_SEED]
         parts = self.seeds if isinstance(self.seeds, list) else str(self.seeds).split(",")
         text = [str(p).strip() for p in parts]
-        if len(text) != 1 or not (text[0].isascii() and text[0].isdigit()):
+        if not text or not all(t.isascii() and t.isdigit() for t in text) or len(set(text)) < len(text):
             raise ConfigError(
-                f"--tune-seeds {self.seeds!r}: give one tuning seed (a trial is one run on it), e.g. --tune-seeds 100"
+                f"--tune-seeds {self.seeds!r}: give distinct seeds as a comma list of non-negative integers, "
+                "e.g. --tune-seeds 100 or 100,101"
             )
-        return int(text[0])
+        return [int(t) for t in text]
 
 
 @dataclass
@@ -107,12 +108,13 @@ def plan_tunes(plan: Comparison, options: TuneOptions) -> list[tuple[VariantTune
     """Every variant's tune plan, each checked before any runs; (what is tuned, its TunePlan or None)."""
     settings = options.settings
     settings.check()
-    seed = options.seed()
+    seeds = options.seed_list()
     used = sorted({c.config.run.seed for c in plan.cells})
-    if seed in used:
+    shared = sorted(set(seeds) & set(used))
+    if shared:
         raise ConfigError(
-            f"the tuning seed {seed} is also a seed of the comparison ({', '.join(map(str, used))}): the final runs "
-            "need seeds the tuning never saw; give --tune-seeds another"
+            f"the tuning seed(s) {', '.join(map(str, shared))} are also seeds of the comparison "
+            f"({', '.join(map(str, used))}): the final runs need seeds the tuning never saw; give --tune-seeds others"
         )
     if options.rounds is not None and options.rounds < 1:
         raise ConfigError(f"--tune-rounds {options.rounds}: give 1 or more rounds")
@@ -121,13 +123,13 @@ def plan_tunes(plan: Comparison, options: TuneOptions) -> list[tuple[VariantTune
     check_space_keys(options, configs)
     planned = []
     for (point, variant), cells in groups.items():
-        cfg = tuning_config(cells[0], seed, options.rounds)
+        cfg = tuning_config(cells[0], seeds[0], options.rounds)
         own = tunable_parameters(cfg)
         specs = [s for s in options.space if s.partition("=")[0].strip() in own]
         out_dir = plan.out_dir / point / TUNING_DIR / variant.replace("+", "_")
         space = build_space(cfg, specs)
         tuned = VariantTune(point, variant, out_dir, space.describe())
-        planned.append((tuned, plan_tune(cfg, specs, settings, out_dir) if space.dims else None))
+        planned.append((tuned, plan_tune(cfg, specs, settings, out_dir, seeds) if space.dims else None))
     if all(p is None for _, p in planned):
         raise ConfigError(
             f"no variant of this comparison has anything to tune ({', '.join(configs)}); name shared settings with "
@@ -237,7 +239,9 @@ def print_tuning(tuned: list[VariantTune], options: TuneOptions, out_dir: Path, 
 
 def tuning_title(options: TuneOptions) -> str:
     rounds = f"{options.rounds} rounds" if options.rounds is not None else "the comparison's rounds"
+    seeds = options.seed_list()
+    on = f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {','.join(map(str, seeds))} (mean)"
     return (
-        f"Tuning: {options.trials} trials x {rounds} per variant, seed {options.seed()}, on {options.metric} "
-        f"({options.reduce}); final runs on the comparison's seeds, test metrics above"
+        f"Tuning: {options.trials} trials x {rounds} per variant, {on}, on {options.metric} ({options.reduce}); "
+        "final runs on the comparison's seeds, test metrics above"
     )

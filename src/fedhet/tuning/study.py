@@ -167,7 +167,7 @@ def sampler_seed(run_seed: int, trials_so_far: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- the study
-def study_record(base: Config, space: SearchSpace, settings: TuneSettings) -> dict[str, Any]:
+def study_record(base: Config, space: SearchSpace, settings: TuneSettings, seeds: list[int]) -> dict[str, Any]:
     """What a study is made for, stored in its user attributes and compared when a tune resumes it."""
     from fedhet.engine.training import resolve_config
 
@@ -176,6 +176,7 @@ def study_record(base: Config, space: SearchSpace, settings: TuneSettings) -> di
         "space": space.describe(),
         "metric": settings.metric,
         "reduce": settings.reduce,
+        "seeds": list(seeds),
     }
 
 
@@ -189,7 +190,8 @@ def check_record(saved: Any, now: dict[str, Any], db: Path) -> None:
     rounds = saved["config"].get("run", {}).get("rounds"), now["config"]["run"]["rounds"]
     if rounds[0] != rounds[1]:  # a resumable change for a run, not for a tune: its trials' objectives would differ
         changes.append(f"run.rounds: {rounds[0]!r} -> {rounds[1]!r}")
-    changes += [f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in ("space", "metric", "reduce") if saved.get(k) != now[k]]
+    keys = ("space", "metric", "reduce", "seeds")
+    changes += [f"{k}: {saved.get(k, [])!r} -> {now[k]!r}" for k in keys if saved.get(k, []) != now[k]]
     if changes:
         raise ConfigError(
             f"{db} was made for another tune: {'; '.join(changes)}; give the settings it was made with, or tune into "
@@ -197,11 +199,13 @@ def check_record(saved: Any, now: dict[str, Any], db: Path) -> None:
         )
 
 
-def open_study(out_dir: Path, base: Config, space: SearchSpace, settings: TuneSettings, parallel: bool) -> Any:
+def open_study(
+    out_dir: Path, base: Config, space: SearchSpace, settings: TuneSettings, parallel: bool, seeds: list[int] = ()
+) -> Any:
     """The folder's study, created (with its record) or loaded (and checked against this tune's settings)."""
     optuna = optuna_module()
     store = storage(out_dir)
-    record = study_record(base, space, settings)
+    record = study_record(base, space, settings, list(seeds))
     names = optuna.study.get_all_study_names(store)
     if names:
         study = optuna.load_study(study_name=names[0], storage=store)

@@ -9,6 +9,7 @@ prune?``), which in a worker process sends the value through its pipe and waits 
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 import traceback
@@ -34,6 +35,7 @@ class TrialJob:
     metric: str
     reduce: str
     continued_from: list[int] = field(default_factory=list)  # trials a killed tune left running, oldest first
+    seeds: list[int] = field(default_factory=list)  # several tuning seeds: one run per seed (none: run.seed's)
 
 
 @dataclass
@@ -59,54 +61,93 @@ def take_over(run_dir: Path, continued_from: list[int]) -> int | None:
     return None
 
 
-def run_trial(job: TrialJob, data: _DataCache, emit: Callable[[Event], None], report: Report) -> TrialOutcome:
-    """Train the trial's run (continuing its folder if it has one); every outcome but Ctrl-C is a TrialOutcome."""
-    from fedhet.engine.runs import build_simulation
+def seed_runs(job: TrialJob, folder: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """The runs of a trial: its folder, or with several tuning seeds one run folder per seed inside it
+    (``trials/<number>/s<seed>``), each an ordinary run."""
+    if not job.seeds:
+        return [(folder, job.raw)]
+    runs = []
+    for seed in job.seeds:
+        raw = copy.deepcopy(job.raw)
+        raw["run"].update(seed=seed, out_dir=str(folder), name=f"s{seed}")
+        runs.append((folder / f"s{seed}", raw))
+    return runs
 
-    job.raw["run"]["progress"] = False  # the run's own bar would garble the tune's display
-    number = job.number
-    run_dir = Path(job.raw["run"]["out_dir"]) / str(number)
+
+def run_trial(job: TrialJob, data: _DataCache, emit: Callable[[Event], None], report: Report) -> TrialOutcome:
+    """Train the trial's run(s), continuing any folder it has; every outcome but Ctrl-C is a TrialOutcome. With
+    several seeds the first seed's run reports to the pruner (a pruned first run ends the trial), and the objective is
+    the mean of the runs' objectives."""
+    from fedhet.results.objective import objective
+
+    number, folder = job.number, Path(job.raw["run"]["out_dir"]) / str(job.number)
     rel = f"trials/{number}"
-    emit(("start", number, job.raw["run"]["rounds"]))
+    runs = seed_runs(job, folder)
+    rounds = job.raw["run"]["rounds"]
+    emit(("start", number, rounds * len(runs)))
 
     def log(text: str) -> None:
         emit(("log", number, text))
 
-    console = Console(file=_Lines(log), width=1000, color_system=None, force_terminal=False, highlight=False)
-    sim: Any = None
-    try:
-        taken = take_over(run_dir, job.continued_from)
-        if taken is not None:
-            log(f"continues trial {taken}, which a killed tune left running (its folder is now {run_dir})")
-        cfg = build_config(job.raw)
-        rounds = cfg.run.rounds
-
-        def on_round(rnd: int, record: dict[str, Any] | None) -> None:
-            if record is None:  # the start: a continued folder's evaluations so far go to the pruner too
-                for past in _past_values(run_dir, job.metric, rnd):
-                    report(*past)
-                return
-            value = _value(record.get(job.metric))
-            emit(("round", number, rnd, value))
-            if job.metric in record and report(rnd, value) and rnd < rounds:
-                sim.request_stop("pruned")
-
-        with _forward_warnings(log):
-            sim = build_simulation(cfg, fed=data.get(cfg), console=console, on_round=on_round)
-            summary = sim.run(resume=True)
-    except FedhetError as err:  # the run failed (diverged), a refused resume: this trial only
-        return TrialOutcome(number, "failed", _rounds_done(run_dir), rel, error=str(err))
-    except Exception as err:  # a bug or a crash: reported with its traceback, the tune goes on
-        log(traceback.format_exc())
-        return TrialOutcome(number, "failed", _rounds_done(run_dir), rel, error=f"{type(err).__name__}: {err}")
-    if summary["status"] == "pruned":
-        return TrialOutcome(number, "pruned", summary["rounds_done"], rel)
-    from fedhet.results.objective import objective
-
-    value = objective(run_dir, job.metric, job.reduce)  # type: ignore[arg-type]
+    taken = take_over(folder, job.continued_from)
+    if taken is not None:
+        log(f"continues trial {taken}, which a killed tune left running (its folder is now {folder})")
+    spent, values = 0, []
+    for i, (run_dir, raw) in enumerate(runs):
+        try:
+            summary = train_run(raw, run_dir, data, emit, (number, i * rounds), job.metric, report if i == 0 else None)
+        except FedhetError as err:  # the run failed (diverged), a refused resume: this trial only
+            return TrialOutcome(number, "failed", spent + _rounds_done(run_dir), rel, error=str(err))
+        except Exception as err:  # a bug or a crash: reported with its traceback, the tune goes on
+            log(traceback.format_exc())
+            why = f"{type(err).__name__}: {err}"
+            return TrialOutcome(number, "failed", spent + _rounds_done(run_dir), rel, error=why)
+        spent += summary["rounds_done"]
+        if summary["status"] == "pruned":
+            return TrialOutcome(number, "pruned", spent, rel)
+        values.append(objective(run_dir, job.metric, job.reduce))  # type: ignore[arg-type]
+    value = sum(values) / len(values)
     if math.isnan(value):
-        return TrialOutcome(number, "failed", summary["rounds_done"], rel, error=f"{job.metric} is NaN (diverged)")
-    return TrialOutcome(number, "finished", summary["rounds_done"], rel, value=value)
+        return TrialOutcome(number, "failed", spent, rel, error=f"{job.metric} is NaN (diverged)")
+    return TrialOutcome(number, "finished", spent, rel, value=value)
+
+
+def train_run(
+    raw: dict[str, Any],
+    run_dir: Path,
+    data: _DataCache,
+    emit: Callable[[Event], None],
+    where: tuple[int, int],
+    metric: str,
+    report: Report | None,
+) -> dict[str, Any]:
+    """One run of a trial (resumed where its folder has one), ``metric`` reported at every evaluation when
+    ``report`` is given; returns its summary. ``where``: the trial's number and the rounds of its runs before this
+    one (for the progress display)."""
+    from fedhet.engine.runs import build_simulation
+
+    number, before = where
+    raw["run"]["progress"] = False  # the run's own bar would garble the tune's display
+    cfg = build_config(raw)
+    sim: Any = None
+
+    def log(text: str) -> None:
+        emit(("log", number, text))
+
+    def on_round(rnd: int, record: dict[str, Any] | None) -> None:
+        if record is None:  # the start: a continued folder's evaluations so far go to the pruner too
+            for past in _past_values(run_dir, metric, rnd) if report is not None else []:
+                report(*past)
+            return
+        value = _value(record.get(metric))
+        emit(("round", number, before + rnd, value))
+        if report is not None and metric in record and report(rnd, value) and rnd < cfg.run.rounds:
+            sim.request_stop("pruned")
+
+    console = Console(file=_Lines(log), width=1000, color_system=None, force_terminal=False, highlight=False)
+    with _forward_warnings(log):
+        sim = build_simulation(cfg, fed=data.get(cfg), console=console, on_round=on_round)
+        return sim.run(resume=True)
 
 
 def _value(raw: Any) -> float:

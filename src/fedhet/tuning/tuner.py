@@ -50,6 +50,11 @@ class TunePlan:
     space: SearchSpace
     settings: TuneSettings
     progress: bool = True  # run.progress of the config tuned: the live display (the trials' own bars are off)
+    seeds: list[int] = field(default_factory=list)  # several tuning seeds: a trial runs each (none: run.seed)
+
+    @property
+    def rounds_per_trial(self) -> int:
+        return self.base.run.rounds * max(len(self.seeds), 1)
 
 
 @dataclass
@@ -96,8 +101,16 @@ def tune_dir(cfg: Config) -> Path:
     return Path(cfg.run.out_dir) / (cfg.run.name or f"tune-{default_name(cfg)}")
 
 
-def plan_tune(cfg: Config, specs: list[str], settings: TuneSettings, out_dir: Path | None = None) -> TunePlan:
-    """Every check a tune makes before anything runs: the settings, validation data, the space, the folder."""
+def plan_tune(
+    cfg: Config,
+    specs: list[str],
+    settings: TuneSettings,
+    out_dir: Path | None = None,
+    seeds: list[int] | None = None,
+) -> TunePlan:
+    """Every check a tune makes before anything runs: the settings, validation data, the space, the folder.
+    ``seeds``: two or more tuning seeds, each trial one run per seed and its objective their mean (default: one run
+    on ``run.seed``)."""
     from fedhet.paths import check_folder
 
     settings.check()
@@ -126,7 +139,12 @@ def plan_tune(cfg: Config, specs: list[str], settings: TuneSettings, out_dir: Pa
         )
     raw = cfg.to_dict()
     raw["run"].update(out_dir=str(out_dir / TRIALS_DIR), name=None, progress=False)
-    return TunePlan(out_dir, build_config(raw), space, settings, cfg.run.progress)
+    seeds = list(seeds or [])
+    if seeds:  # the first is the base's seed (the sampler's, and the trials' without several)
+        raw["run"]["seed"] = seeds[0]
+    if len(seeds) == 1:  # one seed: each trial is one run folder
+        seeds = []
+    return TunePlan(out_dir, build_config(raw), space, settings, cfg.run.progress, seeds)
 
 
 def lock_tune_dir(out_dir: Path) -> FileLock:
@@ -159,7 +177,7 @@ def tune(
     optuna_module()
     lock = lock_tune_dir(plan.out_dir)
     try:
-        study = open_study(plan.out_dir, plan.base, plan.space, plan.settings, parallel=jobs > 1)
+        study = open_study(plan.out_dir, plan.base, plan.space, plan.settings, parallel=jobs > 1, seeds=plan.seeds)
         rerun = requeue_interrupted(study)
         done = len(counted(study))
         todo = max(plan.settings.trials - done, 0)
@@ -193,7 +211,7 @@ def next_job(study: Any, plan: TunePlan, in_worker: bool = False) -> tuple[Any, 
     if in_worker:
         raw["run"]["workers"] = 1
     chain = list(trial.user_attrs.get("continued_from", []))
-    return trial, TrialJob(trial.number, raw, plan.settings.metric, plan.settings.reduce, chain)
+    return trial, TrialJob(trial.number, raw, plan.settings.metric, plan.settings.reduce, chain, list(plan.seeds))
 
 
 def tell(study: Any, trial: Any, outcome: TrialOutcome) -> None:
@@ -334,7 +352,7 @@ def budget(study: Any, plan: TunePlan) -> dict[str, int]:
     """Trials and rounds spent: a pruned or failed trial counts the rounds it ran, not ``run.rounds``."""
     trials = counted(study)
     status = [t.user_attrs.get("status") for t in trials]
-    rounds = plan.base.run.rounds
+    rounds = plan.rounds_per_trial
     return {
         "trials": len(trials),
         "complete": status.count("finished"),
