@@ -231,7 +231,11 @@ def compare(
         int | None, typer.Option("--tune-rounds", help="Rounds of a tuning run (default: the final runs').")
     ] = None,
     tune_seeds: Annotated[
-        str | None, typer.Option("--tune-seeds", help="The tuning seed (default 100; none of --seeds).")
+        str | None,
+        typer.Option(
+            "--tune-seeds",
+            help="Tuning seed(s), e.g. 100,101: a trial's objective is their mean (default 100; none of --seeds).",
+        ),
     ] = None,
     space: SpaceOpt = None,
     metric: Annotated[

@@ -1,12 +1,13 @@
-"""``fedhet compare --tune TRIALS``: every variant tuned at the same budget on a tuning seed, then run with its best
+"""``fedhet compare --tune TRIALS``: every variant tuned at the same budget on tuning seeds, then run with its best
 values on the comparison's seeds.
 
 For each variant (at each grid point) a tune runs in ``OUT/[point/]tuning/<variant>`` (an ordinary ``fedhet tune``
-folder: study.db, trials/, tune.json), on the tuning seed, for TRIALS trials of ``--tune-rounds`` rounds (default:
-the comparison's). A variant's space is its algorithm's declared one plus the ``-t`` dimensions it has; a ``-t`` key
-no variant has is refused, and a variant left with nothing to tune (FedAvg without ``-t train.lr``) keeps its
-defaults and spends no budget. The final cells are the comparison's, with the best values set; each final run's
-provenance.json records the study, the trial and its objective under ``tuning``.
+folder: study.db, trials/, tune.json), on the tuning seed(s), for TRIALS trials of ``--tune-rounds`` rounds
+(default: the comparison's); with several tuning seeds a trial runs once per seed and scores their mean. A variant's
+space is its algorithm's declared one plus the ``-t`` dimensions it has; a ``-t`` key no variant has is refused, and
+a variant left with nothing to tune (FedAvg without ``-t train.lr``) keeps its defaults and spends no budget. The
+final cells are the comparison's, with the best values set; each final run's provenance.json records the study, the
+trial and its objective under ``tuning``.
 """
 
 from __future__ import annotations
