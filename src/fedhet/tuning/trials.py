@@ -83,29 +83,29 @@ def run_trial(job: TrialJob, data: _DataCache, emit: Callable[[Event], None], re
     number, folder = job.number, Path(job.raw["run"]["out_dir"]) / str(job.number)
     rel = f"trials/{number}"
     runs = seed_runs(job, folder)
-    rounds = job.raw["run"]["rounds"]
+    run_dir, rounds = runs[0][0], job.raw["run"]["rounds"]
     emit(("start", number, rounds * len(runs)))
 
     def log(text: str) -> None:
         emit(("log", number, text))
 
-    taken = take_over(folder, job.continued_from)
-    if taken is not None:
-        log(f"continues trial {taken}, which a killed tune left running (its folder is now {folder})")
     spent, values = 0, []
-    for i, (run_dir, raw) in enumerate(runs):
-        try:
+    try:
+        taken = take_over(folder, job.continued_from)
+        if taken is not None:
+            log(f"continues trial {taken}, which a killed tune left running (its folder is now {folder})")
+        for i, (run_dir, raw) in enumerate(runs):
             summary = train_run(raw, run_dir, data, emit, (number, i * rounds), job.metric, report if i == 0 else None)
-        except FedhetError as err:  # the run failed (diverged), a refused resume: this trial only
-            return TrialOutcome(number, "failed", spent + _rounds_done(run_dir), rel, error=str(err))
-        except Exception as err:  # a bug or a crash: reported with its traceback, the tune goes on
-            log(traceback.format_exc())
-            why = f"{type(err).__name__}: {err}"
-            return TrialOutcome(number, "failed", spent + _rounds_done(run_dir), rel, error=why)
-        spent += summary["rounds_done"]
-        if summary["status"] == "pruned":
-            return TrialOutcome(number, "pruned", spent, rel)
-        values.append(objective(run_dir, job.metric, job.reduce))  # type: ignore[arg-type]
+            if summary["status"] == "pruned":
+                return TrialOutcome(number, "pruned", spent + summary["rounds_done"], rel)
+            values.append(objective(run_dir, job.metric, job.reduce))  # type: ignore[arg-type]
+            spent += summary["rounds_done"]  # after the objective: a failure below counts run_dir's rounds once
+    except FedhetError as err:  # the run failed (diverged), a refused resume: this trial only
+        return TrialOutcome(number, "failed", spent + _rounds_done(run_dir), rel, error=str(err))
+    except Exception as err:  # a bug or a crash: reported with its traceback, the tune goes on
+        log(traceback.format_exc())
+        why = f"{type(err).__name__}: {err}"
+        return TrialOutcome(number, "failed", spent + _rounds_done(run_dir), rel, error=why)
     value = sum(values) / len(values)
     if math.isnan(value):
         return TrialOutcome(number, "failed", spent, rel, error=f"{job.metric} is NaN (diverged)")
