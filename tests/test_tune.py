@@ -253,42 +253,57 @@ def test_tune_with_two_jobs_writes_a_study_optuna_reads(tmp_path):
 
 @pytest.mark.slow  # a tune killed with -9 in the middle, then run again: a minute or two on 2 shared cores
 def test_a_killed_tune_resumes_without_duplicating_finished_trials(tmp_path):
-    trials, db = 6, tmp_path / "tu" / "study.db"
+    trials, folder = 6, tmp_path / "tu"
+    command = [*_tune_command(tmp_path, trials, 1), "-s", "run.rounds=4"]
     proc = subprocess.Popen(
-        _tune_command(tmp_path, trials, 1),
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
+        command, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )
+    state = optuna.trial.TrialState
 
-    def complete() -> list:
+    def load() -> list:
         try:
-            study = optuna.load_study(study_name="tu", storage=f"sqlite:///{db}")
+            return optuna.load_study(study_name="tu", storage=f"sqlite:///{folder / 'study.db'}").trials
         except Exception:  # not created yet
             return []
-        return [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
 
-    deadline = time.monotonic() + 300
-    while len(complete()) < 2:
+    def mid_run(t) -> bool:  # a trial with a checkpoint and rounds still to train
+        run = folder / "trials" / str(t.number)
+        return (
+            t.state == state.RUNNING
+            and (run / "checkpoints" / "last.pt").exists()
+            and not (run / "summary.json").exists()
+        )
+
+    deadline = time.monotonic() + 400
+    while True:  # kill it once 2 trials completed and another is in the middle of its run
+        found = load()
+        if sum(t.state == state.COMPLETE for t in found) >= 2 and any(mid_run(t) for t in found):
+            break
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
-        time.sleep(0.2)
+        time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    before = {t.number: t.params for t in complete()}
-    result = subprocess.run(_tune_command(tmp_path, trials, 1), env=_env(), capture_output=True, text=True, timeout=600)
+    before = {t.number: t.params for t in load() if t.state == state.COMPLETE}
+    killed = [t for t in load() if t.state == state.RUNNING]
+    assert killed and all(t.params for t in killed)
+    result = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
-    study = optuna.load_study(study_name="tu", storage=f"sqlite:///{db}")
-    done = [t for t in study.trials if t.state in (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)]
+    assert "rerunning trial(s)" in result.stderr and "continues trial" in result.stderr
+    trials_now = load()
+    done = [t for t in trials_now if t.state in (state.COMPLETE, state.PRUNED)]
     assert len(done) == trials  # the total asked for, no more
     assert {t.number: t.params for t in done if t.number in before} == before  # finished trials kept as they were
     params = [tuple(sorted(t.params.items())) for t in done]
     assert len(set(params)) == len(params)  # none ran twice
-    successors = {s.user_attrs["continues"]: s for s in study.trials if "continues" in s.user_attrs}
-    for t in study.trials:  # a trial the kill left running was rerun with its parameters, and is the only FAIL
-        if t.state == optuna.trial.TrialState.FAIL:
-            assert successors[t.number].params == t.params and successors[t.number].state.is_finished()
-    assert json.loads((tmp_path / "tu" / "tune.json").read_text())["budget"]["trials"] == trials
+    successors = {s.user_attrs["continues"]: s for s in trials_now if "continues" in s.user_attrs}
+    assert [t.number for t in trials_now if t.state == state.FAIL] == [t.number for t in killed]
+    for t in killed:  # rerun with its parameters, continuing its run folder from the checkpoint
+        rerun = successors[t.number]
+        assert rerun.params == t.params and rerun.state.is_finished()
+        assert not (folder / "trials" / str(t.number)).exists()
+        provenance = json.loads((folder / "trials" / str(rerun.number) / "provenance.json").read_text())
+        assert provenance["resumes"], "the rerun resumed the killed trial's run"
+    assert json.loads((folder / "tune.json").read_text())["budget"]["trials"] == trials
 
 
 def test_compare_tune_refuses_a_key_no_variant_has_and_a_reused_seed(tmp_path):
