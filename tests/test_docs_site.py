@@ -15,7 +15,7 @@ from browser import MISSING, browser, headless
 from PIL import Image
 
 ROOT = Path(__file__).parents[1]
-API = ["run", "compare", "resume", "load_run", "load_runs", "records_dataframe", "RunResult"]
+API = ["run", "compare", "tune", "resume", "load_run", "load_runs", "records_dataframe", "RunResult"]
 
 
 @pytest.fixture(scope="module")

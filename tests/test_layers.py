@@ -34,7 +34,9 @@ LAYERS = (
     {"flower"},  # the same round loop over Flower messages
     # what a user calls: the CLI (fedhet flower ... too), the Python API, many runs at once, the settings reference,
     # the package's lazy names
-    {"cli", "cli_shared", "cli_cache", "flower.cli", "api", "comparison", "cells", "reference", "__init__"},
+    {"cli", "cli_shared", "cli_cache", "flower.cli", "api", "comparison", "cells", "reference", "__init__"}
+    # the tuner: many runs (trials) like compare's cells, and compare --tune
+    | {"tuning.study", "tuning.trials", "tuning.tuner", "tuning.compare"},
 )
 # packages in one layer that import nothing from each other
 APART = {"data", "models", "results"}

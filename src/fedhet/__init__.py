@@ -7,11 +7,11 @@ The Python API (``fedhet/api.py``; the CLI is built on it)::
     result = fedhet.run({"dataset": {"name": "digits"}, "model": {"name": "mlp"}}, algorithm="scaffold", rounds=5)
     print(result.final["test_acc"])
 
-``make_config``, ``run``, ``resume``, ``compare``, ``report``, ``load_run`` / ``load_runs``, ``RunResult`` and
-``records_dataframe`` (several runs' records as one pandas DataFrame), ``save_partition`` / ``load_partition`` (a
-config's client index sets to and from a file) are here; ``load_plugins`` loads plug-ins
-(algorithms, models, datasets, partitioners defined outside fedhet). They are imported on first use, so
-``import fedhet`` stays light.
+``make_config``, ``run``, ``resume``, ``compare``, ``tune`` (hyper-parameters chosen on validation data),
+``report``, ``load_run`` / ``load_runs``, ``RunResult`` and ``records_dataframe`` (several runs' records as one pandas
+DataFrame), ``save_partition`` / ``load_partition`` (a config's client index sets to and from a file) are here;
+``load_plugins`` loads plug-ins (algorithms, models, datasets, partitioners defined outside fedhet). They are
+imported on first use, so ``import fedhet`` stays light.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         resume,
         run,
         save_partition,
+        tune,
     )
     from fedhet.config import Config
     from fedhet.plugins import load as load_plugins
@@ -46,6 +47,7 @@ _API = {
     "run": ("fedhet.api", "run"),
     "resume": ("fedhet.api", "resume"),
     "compare": ("fedhet.api", "compare"),
+    "tune": ("fedhet.api", "tune"),
     "report": ("fedhet.api", "report"),
     "load_run": ("fedhet.api", "load_run"),
     "load_runs": ("fedhet.api", "load_runs"),
@@ -70,6 +72,7 @@ __all__ = [
     "resume",
     "run",
     "save_partition",
+    "tune",
 ]
 
 

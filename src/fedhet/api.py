@@ -9,6 +9,8 @@
     result.records                      # one dict per evaluated round (metrics.jsonl)
     result.to_dataframe()               # the same as a pandas DataFrame (needs pandas)
     results = fedhet.compare(cfg, variants=["fedavg", "fedprox"], seeds=[0, 1])
+    tuned = fedhet.tune(cfg, {"partition.validation_fraction": 0.1}, space=["train.lr"], trials=20)
+    tuned.best_params                   # {"algorithm.mu": 0.013, "train.lr": 0.041}, chosen on validation data
     rows = fedhet.report(results)       # mean ± std over seeds, one row per setting
     fedhet.save_partition(cfg, "clients.json")  # the clients' index sets; a run uses partition.name = "file"
 
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 
     from fedhet.data.partition_file import SavedPartition
     from fedhet.results.report import Row
+    from fedhet.tuning.tuner import TuneResult
 
 ConfigSource = Config | Mapping[str, Any] | str | Path | None
 
@@ -271,6 +274,14 @@ def compare(
     threads: int | None = None,
     overwrite: bool = False,
     dry_run: bool = False,
+    tune: int | None = None,
+    tune_rounds: int | None = None,
+    tune_seeds: Sequence[int] | str | int | None = None,
+    tune_space: Iterable[str] = (),
+    tune_metric: str = "val_acc",
+    tune_reduce: str = "last",
+    tune_sampler: str = "tpe",
+    tune_pruner: str = "median",
     plugins: Iterable[str | Path] = (),
     console: Console | None = None,
     err_console: Console | None = None,
@@ -288,13 +299,29 @@ def compare(
     ``jobs``: cells run at once in worker processes (``0`` or ``"auto"``: one per usable core), as ``--jobs``. It
     works from a script without ``if __name__ == "__main__":`` and from a notebook: workers never import
     ``__main__``, and need only the plug-ins named in ``plugins``; a component registered in ``__main__`` is refused
-    with ``jobs`` above 1 (put it in a file and pass ``plugins=["my_method.py"]``)."""
+    with ``jobs`` above 1 (put it in a file and pass ``plugins=["my_method.py"]``).
+
+    ``tune=TRIALS`` tunes every variant first, at the same budget, on validation data (``fedhet compare --tune``,
+    docs/tuning.md "Tuned comparisons"): ``tune_rounds`` (default: ``run.rounds``), ``tune_seeds`` (one seed,
+    default 100, none of ``seeds``), ``tune_space`` (``-t`` specs added to each variant's declared space, where it has
+    the key), ``tune_metric``/``tune_reduce``/``tune_sampler``/``tune_pruner`` as ``fedhet.tune`` takes them. The
+    final runs use the chosen values; their provenance.json records the study under ``tuning``."""
     from rich.console import Console
 
     from fedhet.cells import parse_jobs
     from fedhet.comparison import run_comparison
+    from fedhet.tuning.compare import TuneOptions
 
     jobs = parse_jobs(jobs, "jobs")
+    tuning = None
+    if tune is not None:
+        if isinstance(tune_space, str):
+            raise ConfigError(f"tune_space must be a list of 'KEY=SPEC' strings, not the string {tune_space!r}")
+        seeds_text = tune_seeds if isinstance(tune_seeds, str | int) or tune_seeds is None else list(tune_seeds)
+        tuning = TuneOptions(
+            tune, tune_rounds, seeds_text, tuple(tune_space), tune_metric, tune_reduce, tune_sampler, tune_pruner
+        )
+        tuning.settings.check()  # a test metric, 0 trials: refused before anything is built
 
     variants = _one_or_many(variants, shortcuts.pop("algorithm", None), "variants", "algorithm")
     seeds = _one_or_many(seeds, shortcuts.pop("seed", None), "seeds", "seed")
@@ -328,10 +355,57 @@ def compare(
             threads=threads,
             overwrite=overwrite,
             dry_run=dry_run,
+            tune=tuning,
             console=console or quiet,
             err_console=err_console or console or quiet,
         )
     return [load_run(d) for d in dirs]
+
+
+def tune(
+    config: ConfigSource = None,
+    overrides: Mapping[str, Any] | Iterable[str] | None = None,
+    *,
+    space: Iterable[str] = (),
+    trials: int,
+    metric: str = "val_acc",
+    reduce: str = "last",
+    sampler: str = "tpe",
+    pruner: str = "median",
+    jobs: int | str = 1,
+    threads: int | None = None,
+    plugins: Iterable[str | Path] = (),
+    console: Console | None = None,
+    accept_changed_plugins: bool = False,
+    **shortcuts: Any,
+) -> TuneResult:
+    """Tune a run's hyper-parameters on validation data with Optuna, as ``fedhet tune`` does (docs/tuning.md).
+
+    ``space``: ``-t`` specs added to the algorithm's declared space (``["train.lr", "algorithm.mu=log:1e-3:1"]``);
+    ``trials``: the total number of trials (a resumed tune runs the missing ones); ``metric``: a validation metric
+    (``val_acc``, ``val_loss``, ...; a test metric is refused); ``reduce``: its ``last`` or ``best`` value over a
+    run's evaluations; ``sampler``: ``tpe`` (seeded from ``run.seed``), ``random`` or ``grid``; ``pruner``:
+    ``median``, ``hyperband`` or ``none``; ``jobs``: trials at once, in worker processes. The tune folder is
+    ``run.out_dir/run.name`` (``name=``; default ``tune-<the run's name>``): ``study.db``, ``trials/<number>`` (one
+    run folder per trial), ``tune.json``, ``tune.md``. Raises ``RunFailed`` when no trial completed."""
+    from rich.console import Console
+
+    from fedhet.cells import parse_jobs
+    from fedhet.tuning.study import TuneSettings
+    from fedhet.tuning.tuner import plan_tune, raise_if_nothing
+    from fedhet.tuning.tuner import tune as run_tune
+
+    settings = TuneSettings(trials, metric, reduce, sampler, pruner)
+    settings.check()  # a test metric, --trials 0: refused before the config is even built
+    jobs = parse_jobs(jobs, "jobs")
+    if isinstance(space, str):
+        raise ConfigError(f"space must be a list of 'KEY=SPEC' strings, not the string {space!r}")
+    cfg = make_config(config, overrides, plugins=plugins, **shortcuts)
+    plan = plan_tune(cfg, list(space), settings)
+    with _accepting_plugins(accept_changed_plugins):
+        result = run_tune(plan, jobs=jobs, threads=threads, console=console or Console(quiet=True))
+    raise_if_nothing(result)
+    return result
 
 
 @contextmanager

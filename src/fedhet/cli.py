@@ -1,4 +1,4 @@
-"""The ``fedhet`` command line: run, compare, demo, partition, report, list, cache, flower."""
+"""The ``fedhet`` command line: run, compare, tune, demo, partition, report, list, cache, flower."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 import warnings
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import click
 import typer
@@ -90,6 +90,17 @@ DryRunOpt = Annotated[
     bool, typer.Option("--dry-run", help="List the cells and what each would do (start, skip, resume); train none.")
 ]
 RerunOpt = Annotated[bool, typer.Option("--overwrite", help="Rerun every cell from scratch.")]
+# tune's (and compare --tune's) search space
+SpaceOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--tune-param",
+        "-t",
+        help="Add a dimension to the search space (repeat): -t train.lr (its declared range), "
+        "-t algorithm.mu=log:1e-3:1, "
+        "int:1:5, uniform:0:1, choice:a,b. The algorithm's own tunable parameters are in by default.",
+    ),
+]
 
 
 def _print_version(value: bool) -> None:
@@ -222,6 +233,33 @@ def compare(
         bool, typer.Option("--resume", help="Accepted for old scripts: compare always continues unfinished cells.")
     ] = False,
     overwrite: RerunOpt = False,
+    tune: Annotated[
+        int | None,
+        typer.Option(
+            "--tune",
+            help="Tune every variant first with this many trials each (equal budget), on validation data and the "
+            "tuning seed; the final runs use each variant's best values.",
+        ),
+    ] = None,
+    tune_rounds: Annotated[
+        int | None, typer.Option("--tune-rounds", help="Rounds of a tuning run (default: the final runs').")
+    ] = None,
+    tune_seeds: Annotated[
+        str | None,
+        typer.Option(
+            "--tune-seeds",
+            help="Tuning seed(s), e.g. 100,101: a trial's objective is their mean (default 100; none of --seeds).",
+        ),
+    ] = None,
+    space: SpaceOpt = None,
+    metric: Annotated[
+        str, typer.Option("--metric", help="With --tune: the validation metric to optimise (val_acc, val_loss...).")
+    ] = "val_acc",
+    reduce: Annotated[
+        str, typer.Option("--reduce", help="With --tune: a run's objective is its 'last' or 'best' value.")
+    ] = "last",
+    sampler: Annotated[str, typer.Option("--sampler", help="With --tune: tpe, random or grid.")] = "tpe",
+    pruner: Annotated[str, typer.Option("--pruner", help="With --tune: median, hyperband or none.")] = "median",
     accept_changed_plugins: AcceptPluginsOpt = False,
 ) -> None:
     """Run several algorithms (x seeds x grid values) on the same setting; print a table and write an accuracy plot.
@@ -249,11 +287,109 @@ def compare(
             threads=threads,
             overwrite=overwrite,
             dry_run=dry_run,
+            **_tune_options(locals()),
             plugins=plugin or (),
             console=console,
             err_console=err_console,
             **shortcuts(locals(), unchecked=("name",)),
         )
+
+
+def _tune_options(values: dict[str, Any]) -> dict[str, Any]:
+    """compare's tuning options as ``api.compare`` takes them; any of them without --tune is refused."""
+    given = {
+        "--tune-rounds": values["tune_rounds"] is not None,
+        "--tune-seeds": values["tune_seeds"] is not None,
+        "-t": bool(values["space"]),
+        "--metric": values["metric"] != "val_acc",
+        "--reduce": values["reduce"] != "last",
+        "--sampler": values["sampler"] != "tpe",
+        "--pruner": values["pruner"] != "median",
+    }
+    if values["tune"] is None:
+        used = [flag for flag, on in given.items() if on]
+        if used:
+            raise ConfigError(f"{', '.join(used)} set(s) how compare tunes: add --tune TRIALS")
+        return {}
+    return {
+        "tune": values["tune"],
+        "tune_rounds": values["tune_rounds"],
+        "tune_seeds": values["tune_seeds"],
+        "tune_space": values["space"] or [],
+        "tune_metric": values["metric"],
+        "tune_reduce": values["reduce"],
+        "tune_sampler": values["sampler"],
+        "tune_pruner": values["pruner"],
+    }
+
+
+@app.command()
+def tune(
+    trials: Annotated[int, typer.Option("--trials", help="Trials in all (a resumed tune runs the missing ones).")],
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    space: SpaceOpt = None,
+    metric: Annotated[
+        str, typer.Option("--metric", help="The validation metric to optimise: val_acc, val_loss, val_client_acc_*.")
+    ] = "val_acc",
+    reduce: Annotated[
+        str, typer.Option("--reduce", help="A run's objective: its metric at the 'last' evaluation, or its 'best'.")
+    ] = "last",
+    sampler: Annotated[
+        str, typer.Option("--sampler", help="tpe (seeded from run.seed), random, or grid (3 points per float range).")
+    ] = "tpe",
+    pruner: Annotated[
+        str,
+        typer.Option("--pruner", help="Stop poor trials early on the round-wise metric: median, hyperband, none."),
+    ] = "median",
+    algorithm: AlgorithmOpt = None,
+    dataset: DatasetOpt = None,
+    partition: PartitionOpt = None,
+    model: ModelOpt = None,
+    server: ServerOpt = None,
+    rounds: RoundsOpt = None,
+    clients: ClientsOpt = None,
+    seed: SeedOpt = None,
+    out: OutOpt = None,
+    name: Annotated[
+        str | None, typer.Option("--name", help="The tune's folder, under --out (default tune-<the run's name>).")
+    ] = None,
+    data_dir: DataDirOpt = None,
+    plugin: PluginOpt = None,
+    jobs: Annotated[
+        str, typer.Option("--jobs", "-j", help="Trials at once, in worker processes; 0 or auto: one per core.")
+    ] = "1",
+    threads: CellThreadsOpt = None,
+    accept_changed_plugins: AcceptPluginsOpt = False,
+) -> None:
+    """Tune a run's hyper-parameters on validation data (Optuna): a study in OUT/study.db, a run folder per trial.
+
+    Needs -s partition.validation_fraction=0.1 (or another fraction). Running the same command again continues a
+    killed tune: finished trials are kept, the ones it was running are rerun."""
+    from fedhet.cells import parse_jobs
+    from fedhet.tuning.tuner import print_result
+
+    with interrupted(
+        "the study keeps every finished trial; run the same command again to continue (the trials that were "
+        "running are rerun from their checkpoints)"
+    ):
+        result = api.tune(
+            config,
+            set_,
+            space=space or [],
+            trials=trials,
+            metric=metric,
+            reduce=reduce,
+            sampler=sampler,
+            pruner=pruner,
+            jobs=parse_jobs(jobs),
+            threads=threads,
+            plugins=plugin or (),
+            console=err_console,
+            accept_changed_plugins=accept_changed_plugins,
+            **shortcuts(locals()),
+        )
+    print_result(result, console)
 
 
 @app.command()

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import copy
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, ValidationError
 from rich.console import Console
@@ -42,6 +42,9 @@ from fedhet.config import apply_override, build_config, load_raw, parse_value, s
 from fedhet.engine.display import print_warning
 from fedhet.errors import ConfigError, RunFailed
 from fedhet.params import Params, Seed, problem, shown
+
+if TYPE_CHECKING:
+    from fedhet.tuning.compare import TuneOptions
 
 PANEL_ABOVE = 12  # curves in one comparison.png axes; more are split into panels by method family
 
@@ -339,6 +342,7 @@ class Comparison:
     progress: bool  # run.progress of the base setting: show the live display
     partitions: str = ""  # what the cells' partitions are, in words (apply_partition_mode)
     baseline: str = "auto"  # the method the tables compare every row with (report.summary_table)
+    variants: dict[str, tuple[str, str]] = field(default_factory=dict)  # cell name -> (grid point, variant)
 
 
 def plan_comparison(
@@ -377,7 +381,7 @@ def plan_comparison(
     base_cfg = build_config(base)
     check_config_paths(base_cfg, writable=writable)  # -o a file, a FIFO --data-dir: one line before any cell
     out_dir = Path(base_cfg.run.out_dir)
-    cells, labels, points = [], {}, {}
+    cells, labels, points, variant_of = [], {}, {}, {}
     took: dict[str, set[str]] = {section: set() for section in VARIANT_SECTIONS}
     for point, values in grid_points(sweep):
         points[point] = []
@@ -399,10 +403,11 @@ def plan_comparison(
                     raise ConfigError(f"{name}: {err}") from None
                 cells.append(Cell(name, cfg))
                 labels[name] = f"{variant} seed {seed}" + (f" {point}" if point else "")
+                variant_of[name] = (point, variant)
                 points[point].append(name)
     check_shared_taken(base, shared, took, names)
     chosen = check_baseline(baseline or spec.baseline, names)
-    return Comparison(cells, labels, points, out_dir, base_cfg.run.progress, partitions_text, chosen)
+    return Comparison(cells, labels, points, out_dir, base_cfg.run.progress, partitions_text, chosen, variant_of)
 
 
 def check_baseline(baseline: str | None, variants: list[str]) -> str:
@@ -452,18 +457,30 @@ def run_comparison(
     threads: int | None = None,
     overwrite: bool = False,
     dry_run: bool = False,
+    tune: TuneOptions | None = None,
     console: Console,
     err_console: Console,
 ) -> list[Path]:
-    """Run (or continue) every cell, then write the tables and plots; returns the run folders tabulated.
+    """Run (or continue) every cell, then write the tables and plots; returns the run folders tabulated. With
+    ``tune``, every variant is tuned first (fedhet/tuning/compare.py) and its cells run with the values it chose.
 
     Raises RunFailed, after tabulating the others, when some cells failed."""
     plan = plan_comparison(
         config, overrides, variants, seeds, grid, partitions, writable=not dry_run, baseline=baseline
     )
     if dry_run:
+        if tune is not None:
+            from fedhet.tuning.compare import plan_tunes, tuning_title
+
+            plan_tunes(plan, tune)  # every check the tunes make, nothing run
+            console.print(escape(f"first: {tuning_title(tune)}; the cells below then run with the chosen values"))
         print_plan(plan, overwrite, console, err_console)
         return []
+    tuned = None
+    if tune is not None:
+        from fedhet.tuning.compare import tune_comparison
+
+        tuned = tune_comparison(plan, tune, jobs=jobs, threads=threads, console=err_console)
     results = run_cells(
         plan.cells, jobs=jobs, threads=threads, overwrite=overwrite, console=err_console, progress=plan.progress
     )
@@ -473,6 +490,11 @@ def run_comparison(
     if not run_dirs:
         raise RunFailed(f"every run failed ({', '.join(failed)}); see their summary.json")
     tabulate(list(run_dirs.values()), plan.out_dir, console, baseline=plan.baseline)
+    if tuned is not None:
+        from fedhet.tuning.compare import print_tuning, record_provenance
+
+        record_provenance(plan, tuned, list(run_dirs.values()))
+        print_tuning(tuned, tune, plan.out_dir, console)
     if len(plan.points) > 1:  # and each grid point on its own, beside its runs
         for point, names in plan.points.items():
             dirs = [run_dirs[n] for n in names if n in run_dirs]

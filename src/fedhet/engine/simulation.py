@@ -104,6 +104,7 @@ class Simulation:
         # [tracking]: TensorBoard, MLflow, W&B get copies of the config, metrics and summary (results/trackers.py)
         self.trackers = Trackers(cfg.tracking, self.run_dir, Path(cfg.run.out_dir), self.name, self.warn)
         self._wall_before, self._saved_clients, self._rotate, self._saved_round = 0.0, None, True, 0
+        self.stop_status: str | None = None  # set by request_stop (a tuner's pruned trial)
 
     # ------------------------------------------------------------------ the run
     def run(self, resume: bool = False, overwrite: bool = False, stop_after: int | None = None) -> dict[str, Any]:
@@ -160,7 +161,21 @@ class Simulation:
                 display.advance()
                 if self.on_round is not None:
                     self.on_round(rnd, record)
+                if self.stop_status is not None and rnd < last:
+                    return self.stop(rnd)
         return self.finish(last)
+
+    def request_stop(self, status: str) -> None:
+        """End the run after the round being finished, with ``status`` in summary.json (a tuner's trial that its
+        pruner stopped: "pruned"); called from ``on_round``. Rounds already finished are kept as they are."""
+        self.stop_status = status
+
+    def stop(self, rnd: int) -> dict[str, Any]:
+        """The end ``request_stop`` asked for: a checkpoint of round ``rnd`` (so the folder continues like any run:
+        ``fedhet resume`` trains it on), then summary.json with the status."""
+        if self._saved_round != rnd:
+            self.save_checkpoint(rnd, self.wall())
+        return self.finish(rnd, status=self.stop_status)
 
     def train_round(self, rnd: int) -> RoundResult:
         """Every phase of round ``rnd``; raises ``RunFailed`` when the run cannot go on."""
