@@ -18,7 +18,7 @@ ROOT = Path(fedhet.__file__).parent
 # the module's own name where it sits in another layer than its package ("flower.cli": a CLI command).
 LAYERS = (
     # what everything reads: errors, strict parameter models, path checks, plug-in loading, name -> factory tables
-    {"errors", "params", "paths", "plugins", "registry"},
+    {"errors", "hub", "params", "paths", "plugins", "registry"},
     # the components a config names (datasets and partitioners, models) and the run folder's files (metrics, reports,
     # plots, trackers); none of the three imports another
     {"data", "models", "results"},

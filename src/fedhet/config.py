@@ -274,6 +274,27 @@ class ModelSection(_Component):
     # shakespeare, logreg for leaf_sent140; models/fit.py), recorded in the run's config.json; fedhet list models
     # shows which fit which
     name: str = "cnn"
+    # the initial global model: a fedhet run folder (its last checkpoint's global model), a fedhet checkpoint, a
+    # .safetensors file or a torch state dict, matched by tensor name and shape (docs/pretrained.md); its SHA-256 is
+    # recorded in provenance.json and a resume refuses a changed file
+    init: str | None = Field(None, min_length=1)
+    # the head of model.init's or model.pretrained's weights is not used: a fresh one, drawn from the run seed (a
+    # head that does not fit the dataset's classes is refused without it)
+    replace_head: bool = False
+
+    @field_validator("init")
+    @classmethod
+    def _path(cls, value: str | None) -> str | None:
+        return no_nul(value)
+
+    @model_validator(mode="after")
+    def _head_of_what(self) -> ModelSection:
+        if self.replace_head and self.init is None and self.params().get("pretrained") is None:
+            raise ValueError(
+                "model.replace_head replaces the head of the weights model.init or model.pretrained gives; set one "
+                "of them, or leave replace_head false"
+            )
+        return self
 
 
 class AlgorithmSection(_Component):

@@ -24,6 +24,7 @@ from fedhet.data.federated import FederatedDataset, federate
 from fedhet.engine.attack import Attack
 from fedhet.engine.buffered import check_fedbuff
 from fedhet.engine.client import ClientRunner
+from fedhet.engine.initial import InitialWeights, initial_weights, load_into
 from fedhet.errors import ConfigError
 from fedhet.toolkit.flat import FlatModel
 from fedhet.toolkit.local import derive_seed, num_local_steps
@@ -302,6 +303,7 @@ class Training:
     setup: Setup
     algo: Algorithm
     runner: ClientRunner
+    weights: InitialWeights | None = None  # where the initial global model came from (model.init, model.pretrained)
 
 
 def build_training(cfg: Config, fed: FederatedDataset) -> Training:
@@ -316,11 +318,16 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
     algo_cls, algo_cfg = algorithm_config(cfg)
     check_model_fits(cfg, fed, device, algo_cls, algo_cfg)  # too big for the device: a ConfigError, before allocating
 
+    weights = initial_weights(cfg.model.name, cfg.model.params(), cfg.model.init)
+    said: list[str] = []
+
     def make_model():
         # Auxiliary models (frozen global/previous models) are built lazily inside clients; forking the RNG
         # keeps their construction from shifting the client's random stream (dropout, augmentation).
         with torch.random.fork_rng(devices=[]):
             model = build_model(cfg.model.name, fed.input_shape, fed.num_classes, **cfg.model.params())
+            if weights is not None:  # every model starts from them, as the global one does (a personal model too)
+                said[:] = load_into(model, weights, cfg.model.replace_head)
             model = algo_cls.prepare_model(algo_cfg, model)
             return algo_cls.prepare_federated_model(algo_cfg, model, fed.num_clients).to(device)
 
@@ -342,7 +349,9 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
         cfg.run.eval_batch_size,
         attack=None if cfg.attack.kind == "none" else Attack(cfg.attack, fed, cfg.run.seed),
     )
-    return Training(model, flat, setup, algo, runner)
+    if weights is not None:
+        weights.notes = said
+    return Training(model, flat, setup, algo, runner, weights)
 
 
 def training_federation(cfg: Config, fed: FederatedDataset, in_process: bool) -> FederatedDataset:

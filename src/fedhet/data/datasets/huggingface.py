@@ -28,8 +28,6 @@ import io
 import json
 import os
 import re
-import socket
-import urllib.parse
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,6 +37,7 @@ from pydantic import Field, model_validator
 from fedhet.data.datasets.base import DATASETS, NoParams, channel_stats
 from fedhet.data.datasets.files import Manifest, explicit_location, os_problem, read_file
 from fedhet.data.types import ArrayDataset, DataError
+from fedhet.hub import hub_endpoint, hub_problem, hub_reachable, looks_like_hub_id
 from fedhet.params import Seed
 from fedhet.registry import parse_params
 
@@ -124,20 +123,6 @@ def prepared_dir(data_dir) -> Path:
     return root / "fedhet-prepared"
 
 
-def hub_endpoint() -> str:
-    return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-
-
-def hub_reachable(timeout: float = 5.0) -> bool:
-    """Whether the hub's host answers a TCP connection: without a network, datasets retries for minutes."""
-    url = urllib.parse.urlparse(hub_endpoint())
-    try:
-        with socket.create_connection((url.hostname or "", url.port or 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 @contextlib.contextmanager
 def offline_mode(on: bool):
     """datasets and huggingface_hub in offline mode (cached copies only) while ``on``."""
@@ -155,10 +140,6 @@ def offline_mode(on: bool):
 
 def is_local_copy(path: Path) -> bool:
     return os.path.lexists(path)
-
-
-def looks_like_hub_id(text: str) -> bool:
-    return re.fullmatch(r"[\w.-]+(/[\w.-]+)?", text) is not None and not text.startswith(".")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -206,11 +187,6 @@ def open_hub(p: HFParams, cache_dir: Path | None):
             ) from None
         raise DataError(f"dataset 'hf': cannot load {p.path!r} from the Hugging Face Hub: {hub_problem(exc)}") from None
     return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
-
-
-def hub_problem(exc: Exception) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) < 300 else text[:297] + "..."
 
 
 def open_dataset(p: HFParams, data_dir) -> tuple[Any, Path | None]:
