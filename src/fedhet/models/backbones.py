@@ -48,15 +48,15 @@ class BackboneParams(ModelParams):
     # weights (and the architecture: its config.json replaces the size parameters below): a local folder written
     # by save_pretrained, a .safetensors file beside its config.json, or a hub id found in the Hugging Face cache
     pretrained: str | None = Field(None, min_length=1)
-    layers: PositiveInt = 2
-    heads: PositiveInt = 4
-    hidden: PositiveInt = 64
+    layers: PositiveInt = 2  # transformer blocks
+    heads: PositiveInt = 4  # attention heads (hidden must be a multiple)
+    hidden: PositiveInt = 64  # the embedding width, and the head's input
     mlp: PositiveInt = 128  # the feed-forward width
     dropout: float = Field(0.0, ge=0.0, lt=1.0)  # hidden and attention dropout
 
 
 class VitParams(BackboneParams):
-    patch_size: PositiveInt = 7  # 28x28 -> 16 patches, 32x32 -> 16 (the remainder is cropped)
+    patch_size: PositiveInt = 7  # 28x28 -> 16 patches, 32x32 -> 16 (the rest of the image is cut off)
 
 
 class VitBaseParams(VitParams):  # ViT-B/16 (Dosovitskiy et al. 2021)
@@ -73,6 +73,8 @@ class TextParams(BackboneParams):
     max_len: PositiveInt = 512  # position embeddings: the longest sequence
     # the padding id, left out of attention and of the mean (fedhet's hf text pads with 0); None: every token counts
     pad_id: int | None = Field(0, ge=0)
+    # the embedding: "cls", BERT's pooler on the first token (DistilBERT's pre-classifier), as the pretrained
+    # classifiers read it (a tokenizer that puts [CLS] first); "mean", the mean of the unpadded tokens
     pooling: Literal["cls", "mean"] = "mean"
 
 
@@ -353,7 +355,7 @@ PRESETS = {
     "gpt2": ("GPT-2 small next-token model: 12 layers, hidden 768 (weights: model.pretrained)", Gpt2Params),
 }
 for _name, (_summary, _params) in PRESETS.items():
-    register(_name, _summary + " [transformers]", _params)
+    register(_name, f"{_summary}; Hugging Face transformers", _params)
 
 
 # ---------------------------------------------------------------------------------------------- pretrained weights
