@@ -273,3 +273,85 @@ def test_a_misspelt_backbone_lists_the_valid_ones(tiny_config):
     with pytest.raises(ConfigError) as info:
         Simulation(tiny_config(model={"name": "vit_tin"}))
     assert "vit_tiny" in str(info.value) and "did you mean 'vit_tiny'" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------- tokenisation
+WORDS = ["good", "great", "fine", "bad", "awful", "poor", "movie", "plot", "the", "a"]
+
+
+@pytest.fixture
+def reviews(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rng = torch.Generator().manual_seed(0)
+    rows, labels = [], []
+    for i in range(120):
+        mood = i % 2
+        words = [WORDS[int(j)] for j in torch.randint(0, 3, (3,), generator=rng) + 3 * mood] + ["the", "movie"]
+        rows.append(" ".join(words))
+        labels.append(mood)
+    path = tmp_path / "reviews.parquet"
+    datasets.Dataset.from_dict({"text": rows, "label": labels}).to_parquet(str(path))
+    return path
+
+
+def save_bert(folder) -> transformers.PreTrainedTokenizerBase:
+    """A tiny BERT classifier with its own word-piece tokenizer, as save_pretrained writes them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    pieces = Tokenizer(models.WordPiece({w: i for i, w in enumerate(vocab)}, unk_token="[UNK]"))
+    pieces.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    pieces.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=pieces, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]"
+    )
+    tokenizer.save_pretrained(folder)
+    config = transformers.BertConfig(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, num_labels=2,
+    )  # fmt: skip
+    torch.manual_seed(5)
+    transformers.BertForSequenceClassification(config).save_pretrained(folder)
+    return tokenizer
+
+
+def text_config(tiny_config, path, tmp_path, extra=None, **model):
+    dataset = {"name": "hf", "path": str(path), "task": "text", "seq_len": 8, "data_dir": str(tmp_path / "data")}
+    return tiny_config(
+        run={"rounds": 1}, dataset={**dataset, **(extra or {})}, model={"name": "bert_tiny", **model},
+        partition={"name": "iid", "num_clients": 3},
+    )  # fmt: skip
+
+
+def test_a_pretrained_folder_with_a_tokenizer_tokenises_the_text(tiny_config, reviews, tmp_path):
+    tokenizer = save_bert(tmp_path / "bert")
+    cfg = text_config(tiny_config, reviews, tmp_path, pretrained=str(tmp_path / "bert"), pooling="cls")
+    assert cfg.dataset.params()["tokenizer"] == str(tmp_path / "bert")  # the model's, without asking
+    sim = Simulation(cfg)
+    first = sim.fed.x_test[0].tolist()
+    assert first[0] == tokenizer.cls_token_id and first[6] == tokenizer.sep_token_id  # [CLS], five words, [SEP]
+    assert tokenizer.unk_token_id not in first and tokenizer.decode(first[1:6]).split()[-2:] == ["the", "movie"]
+    assert first[7] == tokenizer.pad_token_id  # padded on the right, as BERT is
+    sim.run()
+
+
+def test_a_tokenizer_vocabulary_beyond_the_embedding_is_one_line(tiny_config, reviews, tmp_path):
+    save_bert(tmp_path / "bert")
+    cfg = text_config(tiny_config, reviews, tmp_path, {"tokenizer": str(tmp_path / "bert")}, vocab_size=8)
+    with pytest.raises(ConfigError, match=r"token ids go up to 1\d, and model 'bert_tiny' embeds 8: set model.vocab_"):
+        Simulation(cfg)
+
+
+def test_a_byte_pair_vocabulary_is_learnt_from_the_training_split(reviews, tmp_path):
+    from fedhet.data.datasets import load_dataset
+
+    def load(folder):
+        return load_dataset("hf", tmp_path / folder, path=str(reviews), tokens="bpe", vocab_size=60, seq_len=6)
+
+    first, second = load("a"), load("b")
+    assert first.extra["vocab"][:2] == ["<pad>", "<unk>"] and len(first.extra["vocab"]) <= 60
+    # five words, each a piece of its own once learnt: one padding id on the left, nothing unknown
+    assert (first.x_train[:, 0] == 0).all() and (first.x_train[:, 1:] > 1).all() and first.x_train.max() < 60
+    assert (first.x_train == second.x_train).all() and first.extra["vocab"] == second.extra["vocab"]

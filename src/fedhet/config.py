@@ -595,6 +595,20 @@ class SystemSection(_Strict):
 RUN_FILES_RESERVE = 64
 
 
+def with_model_tokenizer(data: dict[str, Any], dataset: str, params: dict[str, Any], model: Any) -> dict[str, Any]:
+    """An hf text dataset for a model with ``pretrained`` weights whose folder has a tokenizer is tokenised by it
+    (``dataset.tokenizer``, unless one is given), so the ids are the ones the pretrained embedding learnt."""
+    pretrained = model.get("pretrained") if isinstance(model, dict) else None
+    if dataset != "hf" or params.get("task") != "text" or "tokenizer" in params or not isinstance(pretrained, str):
+        return data
+    if not isinstance(data.get("dataset"), dict):
+        return data
+    from fedhet.models.hub import tokenizer_of
+
+    found = tokenizer_of(pretrained)
+    return data if found is None else {**data, "dataset": {**data["dataset"], "tokenizer": found}}
+
+
 class Config(_Strict):
     run: RunSection = RunSection()
     dataset: DatasetSection = DatasetSection()
@@ -622,6 +636,7 @@ class Config(_Strict):
         from fedhet.models.fit import default_model
 
         params = dataset if isinstance(dataset, dict) else dataset.params() if isinstance(dataset, _Component) else {}
+        data = with_model_tokenizer(data, name, params, model)
         if model is None:
             return {**data, "model": {"name": default_model(name, params)}}
         if isinstance(model, dict) and "name" not in model:

@@ -333,6 +333,7 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
 
     torch.manual_seed(derive_seed(cfg.run.seed, 0x40DE1))
     model = make_model()
+    check_token_ids(cfg.model.name, model, fed)
     flat = FlatModel(model)
     setup = Setup(fed.num_clients, fed.num_classes, cfg.train, make_model, device, cfg.privacy)
     algo = build_algorithm(cfg, setup)
@@ -352,6 +353,21 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
     if weights is not None:
         weights.notes = said
     return Training(model, flat, setup, algo, runner, weights)
+
+
+def check_token_ids(name: str, model: torch.nn.Module, fed: FederatedDataset) -> None:
+    """Token ids beyond the model's embedding (a pretrained tokenizer's vocabulary for a tiny model) are refused in one
+    line before training, not met as an IndexError in every client."""
+    embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    tensors = [c.x for c in fed.clients] + [fed.x_test]
+    if embedding is None or not all(t.dtype == torch.int64 for t in tensors):
+        return
+    largest = max((int(t.max()) for t in tensors if t.numel()), default=-1)
+    if largest >= embedding.num_embeddings:
+        raise ConfigError(
+            f"the dataset's token ids go up to {largest}, and model {name!r} embeds {embedding.num_embeddings}: set "
+            f"model.vocab_size = {largest + 1} (or more: the tokenizer's vocabulary)"
+        )
 
 
 def training_federation(cfg: Config, fed: FederatedDataset, in_process: bool) -> FederatedDataset:

@@ -157,6 +157,8 @@ def vocabulary_problem(model: str, model_params: dict[str, Any], dataset_params:
     """Why a sequence model's embedding cannot take the token ids of a dataset with a ``vocab_size``; else None."""
     from fedhet.models import MODELS
 
+    if dataset_params.get("tokenizer") or model_params.get("pretrained"):
+        return None  # the vocabulary is a tokenizer's or a checkpoint's: checked on the data (engine/training.py)
     vocab = dataset_params.get("vocab_size", 80)
     params = MODELS.get(model).params
     if params is None or "vocab_size" not in params.model_fields or not isinstance(vocab, int):

@@ -59,3 +59,25 @@ def from_hub(what: str, repo: str) -> Path:
         return Path(huggingface_hub.snapshot_download(repo, allow_patterns=FILES))
     except Exception as exc:
         raise ConfigError(f"{what} cannot be loaded from the Hugging Face Hub: {hub_problem(exc)}") from None
+
+
+# a folder holds a tokenizer when it has one of these (a fast tokenizer's file, or a slow one's vocabulary)
+TOKENIZER_MARKS = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json")
+
+
+def tokenizer_of(pretrained: str) -> str | None:
+    """``pretrained`` when its folder (local, or the hub id's cached copy) has a tokenizer; else None. Nothing is
+    downloaded and nothing is refused here: the model's own loading words any problem."""
+    path = Path(pretrained).expanduser()
+    if os.path.lexists(path):
+        folder = path.parent if path.is_file() else path
+    elif looks_like_hub_id(pretrained):
+        try:
+            import huggingface_hub
+
+            folder = Path(huggingface_hub.snapshot_download(pretrained, local_files_only=True, allow_patterns=FILES))
+        except Exception:  # not cached (or huggingface_hub missing): no tokenizer known
+            return None
+    else:
+        return None
+    return pretrained if any((folder / name).is_file() for name in TOKENIZER_MARKS) else None
