@@ -62,9 +62,12 @@ def initial_weights(model_name: str, params: dict[str, Any], init: str | None) -
     if pretrained is None:
         return None
     from fedhet.models.backbones import pretrained_tensors
+    from fedhet.models.hub import resolve_pretrained
 
     tensors, head = pretrained_tensors(model_name.lower(), pretrained)
-    return InitialWeights(tensors, f"model.pretrained {pretrained!r}", trained_head=head, lenient=True)
+    folder = str(resolve_pretrained(model_name.lower(), pretrained))
+    where = f" ({folder})" if folder != pretrained else ""
+    return InitialWeights(tensors, f"model.pretrained {pretrained!r}{where}", trained_head=head, lenient=True)
 
 
 # ---------------------------------------------------------------------------------------------- reading a file

@@ -20,7 +20,6 @@ also lets the batched executor train them under vmap. Checking a model against a
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -400,8 +399,3 @@ def _load(cls_name: str, folder: str) -> dict[str, Any]:
         "missing": missing,
         "head": not any(k.startswith(head + ".") for k in missing),
     }
-
-
-def pretrained_file(name: str, pretrained: str) -> Path:
-    """The folder the pretrained weights were read from (for the log and provenance)."""
-    return resolve_pretrained(name, pretrained)
