@@ -85,7 +85,6 @@ def test_gpt_reads_left_padding_as_if_it_were_not_there():
 
 
 # ---------------------------------------------------------------------------------------------- kill and resume
-@pytest.mark.slow  # three short runs each: about 10 s on 2 cores
 @pytest.mark.parametrize(
     "dataset, model",
     [({"name": "digits"}, TINY_VIT), (SHAKESPEARE, TINY_GPT)],
