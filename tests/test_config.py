@@ -294,7 +294,10 @@ def test_nesterov_needs_momentum():
         (["run.foo.bar=1"], "unknown key 'run.foo'; valid keys in [run]: name, seed,"),
         (["foo.bar=1"], "unknown section 'foo'; valid sections: run, dataset, partition, features, model, train,"),
         (["run.seed.x=1"], "run.seed: must be an integer (got {'x': 1})"),
-        (["model.foo=1"], "unknown key 'model.foo' for model 'cnn'; valid keys in [model]: name, head_bias"),
+        (
+            ["model.foo=1"],
+            "unknown key 'model.foo' for model 'cnn'; valid keys in [model]: name, init, replace_head, head_bias",
+        ),
         (["dataset.foo=1"], "unknown key 'dataset.foo' for dataset 'fmnist'; valid keys in [dataset]: name, data_dir,"),
         (
             ["partition.num_client=5"],

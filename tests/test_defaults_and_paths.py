@@ -99,7 +99,8 @@ def test_a_model_that_cannot_take_the_input_names_those_that_can(tmp_path, monke
     assert "model 'cnn' cannot take the inputs of dataset 'digits'" in line
     assert "models that fit digits: cnn_bn, convnet, logreg, mlp, resnet18" in line
     assert not (tmp_path / "runs").exists()
-    with pytest.raises(ConfigError, match="models that fit shakespeare: lstm"):
+    sequence_models = "bert_base, bert_tiny, distilbert, gpt2, gpt_tiny, lstm"
+    with pytest.raises(ConfigError, match=f"models that fit shakespeare: {sequence_models} "):
         build_config({"dataset": {"name": "shakespeare"}, "model": {"name": "mlp"}})
     with pytest.raises(ConfigError, match="it reads sequences of character indices, not tabular inputs"):
         build_config({"dataset": {"name": "synthetic"}, "model": {"name": "lstm"}})

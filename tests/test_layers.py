@@ -17,9 +17,9 @@ ROOT = Path(fedhet.__file__).parent
 # the name under fedhet ("engine" for fedhet.engine.simulation, "config" for fedhet.config, "__init__" for fedhet), or
 # the module's own name where it sits in another layer than its package ("flower.cli": a CLI command).
 LAYERS = (
-    # what everything reads: errors, strict parameter models, path checks, machine facts (free memory), plug-in
-    # loading, name -> factory tables
-    {"errors", "params", "paths", "machine", "plugins", "registry"},
+    # what everything reads: errors, strict parameter models, path checks, machine facts (free memory), the Hugging
+    # Face Hub's reach, plug-in loading, name -> factory tables
+    {"errors", "hub", "params", "paths", "machine", "plugins", "registry"},
     # the components a config names (datasets and partitioners, models) and the run folder's files (metrics, reports,
     # plots, trackers); none of the three imports another
     {"data", "models", "results"},

@@ -287,6 +287,27 @@ class ModelSection(_Component):
     # shakespeare, logreg for leaf_sent140; models/fit.py), recorded in the run's config.json; fedhet list models
     # shows which fit which
     name: str = "cnn"
+    # the initial global model: a fedhet run folder (its last checkpoint's global model), a fedhet checkpoint, a
+    # .safetensors file or a torch state dict, matched by tensor name and shape (docs/pretrained.md); its SHA-256 is
+    # recorded in provenance.json and a resume refuses a changed file
+    init: str | None = Field(None, min_length=1)
+    # the head of model.init's or model.pretrained's weights is not used: a fresh one, drawn from the run seed (a
+    # head that does not fit the dataset's classes is refused without it)
+    replace_head: bool = False
+
+    @field_validator("init")
+    @classmethod
+    def _path(cls, value: str | None) -> str | None:
+        return no_nul(value)
+
+    @model_validator(mode="after")
+    def _head_of_what(self) -> ModelSection:
+        if self.replace_head and self.init is None and self.params().get("pretrained") is None:
+            raise ValueError(
+                "model.replace_head replaces the head of the weights model.init or model.pretrained gives; set one "
+                "of them, or leave replace_head false"
+            )
+        return self
 
 
 class AlgorithmSection(_Component):
@@ -592,6 +613,20 @@ class SystemSection(_Strict):
 RUN_FILES_RESERVE = 64
 
 
+def with_model_tokenizer(data: dict[str, Any], dataset: str, params: dict[str, Any], model: Any) -> dict[str, Any]:
+    """An hf text dataset for a model with ``pretrained`` weights whose folder has a tokenizer is tokenised by it
+    (``dataset.tokenizer``, unless one is given), so the ids are the ones the pretrained embedding learnt."""
+    pretrained = model.get("pretrained") if isinstance(model, dict) else None
+    if dataset != "hf" or params.get("task") != "text" or "tokenizer" in params or not isinstance(pretrained, str):
+        return data
+    if not isinstance(data.get("dataset"), dict):
+        return data
+    from fedhet.models.hub import tokenizer_of
+
+    found = tokenizer_of(pretrained)
+    return data if found is None else {**data, "dataset": {**data["dataset"], "tokenizer": found}}
+
+
 class Config(_Strict):
     run: RunSection = RunSection()
     dataset: DatasetSection = DatasetSection()
@@ -619,6 +654,7 @@ class Config(_Strict):
         from fedhet.models.fit import default_model
 
         params = dataset if isinstance(dataset, dict) else dataset.params() if isinstance(dataset, _Component) else {}
+        data = with_model_tokenizer(data, name, params, model)
         if model is None:
             return {**data, "model": {"name": default_model(name, params)}}
         if isinstance(model, dict) and "name" not in model:

@@ -49,7 +49,8 @@ What it supports, checked before every phase (otherwise the phase runs sequentia
   the flat vectors, the client's state and scratch, never ``ctx.model``; the others give ``unbatchable_reason``;
 * models without floating buffers that training updates (BatchNorm running statistics; a module declaring
   ``fixed_buffers = True`` is allowed, its buffers shared by the group), active dropout (its random stream cannot match
-  the sequential one under vmap) or recurrent layers.
+  the sequential one under vmap), recurrent layers, or a module that says why not (``unbatchable_reason``: BERT's
+  attention mask over padding, built by ``transformers`` with data-dependent control flow).
 """
 
 from __future__ import annotations
@@ -127,6 +128,9 @@ def model_unbatchable(flat: FlatModel) -> str | None:
         if held and not getattr(module, "fixed_buffers", False):
             return f"the model has buffers that training updates ({name or 'the model'}: e.g. BatchNorm statistics)"
     for name, module in flat.model.named_modules():
+        reason = getattr(module, "unbatchable_reason", None)  # a module that knows vmap cannot trace it
+        if reason:
+            return f"the model {reason} ({name})"
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             return f"the model has active dropout ({name}): its random stream cannot match the sequential one"
         if isinstance(module, nn.RNNBase):

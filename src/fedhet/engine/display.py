@@ -28,6 +28,10 @@ class RunDisplay:
     def warn(self, text: str) -> None:
         print_warning(self.console, text)
 
+    def note(self, text: str) -> None:
+        """A fact worth a line that is no warning (where the initial model came from)."""
+        self.console.print(f"[cyan]note:[/] {escape(text)}", highlight=False, soft_wrap=True)
+
     def dropped(self, rnd: int, phase: str, failures: list[dict[str, Any]], clients: int) -> None:
         first = failures[0]
         why = first["error"] if len(first["error"]) <= 160 else first["error"][:157] + "..."

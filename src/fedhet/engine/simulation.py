@@ -26,6 +26,8 @@ from fedhet.engine.display import RunDisplay
 from fedhet.engine.evaluation import Evaluator
 from fedhet.engine.executors import build_executor, executor_kind
 from fedhet.engine.health import RunHealth, nonfinite, training_errors
+from fedhet.engine.initial import INIT_KEY, LAYOUT_KEY, model_layout
+from fedhet.engine.initial import check_resume as check_init
 from fedhet.engine.rundir import environment, usable_cores
 from fedhet.engine.runfolder import DISK_FULL, Checks, RunFolder, rounding_changes
 from fedhet.engine.sampling import ClientSampler
@@ -74,6 +76,7 @@ class Simulation:
         self.fed = training_federation(cfg, self.eval_fed, in_process=executor is None)  # pooled for centralized
         parts = build_training(cfg, self.fed)
         self.model, self.flat, self.setup, self.algo = parts.model, parts.flat, parts.setup, parts.algo
+        self.weights = parts.weights  # model.init or model.pretrained: the initial global model's source
         share_data(self.algo, self.fed, cfg.run.seed)
         store = build_state_store(cfg.run.client_state, self.run_dir / "client_state", cfg.run.client_state_budget_mb)
         self.workers = 1 if executor is not None else resolve_workers(cfg)
@@ -279,6 +282,7 @@ class Simulation:
             if self.system is not None:
                 self.system.check_resumable(state)  # a changed trace file
             self.check_data(state)
+            check_init(state, self.weights)  # a changed model.init file
 
         def verify(state: dict[str, Any]) -> None:
             check_state = getattr(self.executor, "check_state", None)
@@ -296,7 +300,10 @@ class Simulation:
         now = {**environment(), "torch_threads": self.client_threads, "workers": self.workers}
         if loaded is None:
             self.executor.reset()  # a fresh run sees the client states of round 0: none, whatever a crash left
-            self.folder.record_environment(None, now, self.fed.provenance, [])
+            start = {} if self.weights is None else {"initial_weights": self.weights.record()}
+            self.folder.record_environment(None, {**now, **start}, self.fed.provenance, [])
+            for note in self.weights.notes if self.weights is not None else []:
+                self.display.note(note)
             return 0
         state = loaded.state
         if DATA_KEY not in state:
@@ -351,7 +358,10 @@ class Simulation:
             "executor_kind": self.executor_kind,
             "config": self.resolved,
             DATA_KEY: self.data_sha256,
+            LAYOUT_KEY: model_layout(self.flat),  # so a later run can start from this global model (model.init)
         }
+        if self.weights is not None and self.weights.sha256 is not None:
+            state[INIT_KEY] = self.weights.sha256
         bad = nonfinite(state["algo"])
         if bad:
             raise RunFailed(f"round {rnd}: the server state became non-finite ({', '.join(bad[:5])})")

@@ -28,6 +28,7 @@ from fedhet.data.types import ArrayDataset
 from fedhet.engine.attack import Attack
 from fedhet.engine.buffered import check_fedbuff
 from fedhet.engine.client import ClientRunner
+from fedhet.engine.initial import InitialWeights, initial_weights, load_into
 from fedhet.errors import ConfigError
 from fedhet.toolkit.flat import FlatModel
 from fedhet.toolkit.local import derive_seed, num_local_steps
@@ -391,6 +392,7 @@ class Training:
     setup: Setup
     algo: Algorithm
     runner: ClientRunner
+    weights: InitialWeights | None = None  # where the initial global model came from (model.init, model.pretrained)
 
 
 def build_training(cfg: Config, fed: FederatedDataset) -> Training:
@@ -405,16 +407,22 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
     algo_cls, algo_cfg = algorithm_config(cfg)
     check_model_fits(cfg, fed, device, algo_cls, algo_cfg)  # too big for the device: a ConfigError, before allocating
 
+    weights = initial_weights(cfg.model.name, cfg.model.params(), cfg.model.init)
+    said: list[str] = []
+
     def make_model():
         # Auxiliary models (frozen global/previous models) are built lazily inside clients; forking the RNG
         # keeps their construction from shifting the client's random stream (dropout, augmentation).
         with torch.random.fork_rng(devices=[]):
             model = build_model(cfg.model.name, fed.input_shape, fed.num_classes, **cfg.model.params())
+            if weights is not None:  # every model starts from them, as the global one does (a personal model too)
+                said[:] = load_into(model, weights, cfg.model.replace_head)
             model = algo_cls.prepare_model(algo_cfg, model)
             return algo_cls.prepare_federated_model(algo_cfg, model, fed.num_clients).to(device)
 
     torch.manual_seed(derive_seed(cfg.run.seed, 0x40DE1))
     model = make_model()
+    check_token_ids(cfg.model.name, model, fed)
     flat = FlatModel(model)
     setup = Setup(fed.num_clients, fed.num_classes, cfg.train, make_model, device, cfg.privacy)
     algo = build_algorithm(cfg, setup)
@@ -431,7 +439,24 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
         cfg.run.eval_batch_size,
         attack=None if cfg.attack.kind == "none" else Attack(cfg.attack, fed, cfg.run.seed),
     )
-    return Training(model, flat, setup, algo, runner)
+    if weights is not None:
+        weights.notes = said
+    return Training(model, flat, setup, algo, runner, weights)
+
+
+def check_token_ids(name: str, model: torch.nn.Module, fed: FederatedDataset) -> None:
+    """Token ids beyond the model's embedding (a pretrained tokenizer's vocabulary for a tiny model) are refused in one
+    line before training, not met as an IndexError in every client."""
+    embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    tensors = [c.x for c in fed.clients] + [fed.x_test]
+    if embedding is None or not all(t.dtype == torch.int64 for t in tensors):
+        return
+    largest = max((int(t.max()) for t in tensors if t.numel()), default=-1)
+    if largest >= embedding.num_embeddings:
+        raise ConfigError(
+            f"the dataset's token ids go up to {largest}, and model {name!r} embeds {embedding.num_embeddings}: set "
+            f"model.vocab_size = {largest + 1} (or more: the tokenizer's vocabulary)"
+        )
 
 
 def training_federation(cfg: Config, fed: FederatedDataset, in_process: bool) -> FederatedDataset:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fedhet.errors import ConfigError
-from fedhet.models import cnn, lstm, mlp, resnet  # noqa: F401  (importing registers the models)
+from fedhet.models import backbones, cnn, lstm, mlp, resnet  # noqa: F401  (importing registers the models)
 from fedhet.models.base import MODELS, FedModel, ModelParams
 from fedhet.registry import parse_params
 

@@ -26,7 +26,7 @@ DATASET_MODELS = {"digits": "mlp", "synthetic": "mlp", "shakespeare": "lstm", "l
 # finds the kind only when the data are loaded, so it keeps the historical default)
 BY_TASK = {"hf": {"image": "cnn", "text": "lstm", "tabular": "mlp"}}
 # models that read sequences of integer indices (an embedding first), and only those
-SEQUENCE_MODELS = frozenset({"lstm"})
+SEQUENCE_MODELS = frozenset({"lstm", "bert_tiny", "bert_base", "distilbert", "gpt_tiny", "gpt2"})
 
 _IMAGES = {
     "mnist": (1, 28, 28),
@@ -93,9 +93,14 @@ def _why_not(model: str, task: str, shape: tuple[int, ...], params: str) -> str 
         return f"it reads sequences of character indices, not {task} inputs"
     import torch
 
-    from fedhet.models import build_model
+    from fedhet.models import MODELS, build_model
 
+    entry = MODELS.get(model)
+    check = getattr(entry.obj, "check_input", None)  # the transformer models: without importing transformers
     try:
+        if check is not None:
+            check(shape, MODELS.parse(model, json.loads(params))[1])
+            return None
         with torch.device("meta"):  # shapes only: no memory is allocated, nothing is computed
             build_model(model, shape, 10, **json.loads(params))
     except ConfigError as err:
@@ -152,6 +157,8 @@ def vocabulary_problem(model: str, model_params: dict[str, Any], dataset_params:
     """Why a sequence model's embedding cannot take the token ids of a dataset with a ``vocab_size``; else None."""
     from fedhet.models import MODELS
 
+    if dataset_params.get("tokenizer") or model_params.get("pretrained"):
+        return None  # the vocabulary is a tokenizer's or a checkpoint's: checked on the data (engine/training.py)
     vocab = dataset_params.get("vocab_size", 80)
     params = MODELS.get(model).params
     if params is None or "vocab_size" not in params.model_fields or not isinstance(vocab, int):

@@ -30,8 +30,6 @@ import io
 import json
 import os
 import re
-import socket
-import urllib.parse
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,6 +40,7 @@ from fedhet.data.datasets import prepared
 from fedhet.data.datasets.base import DATASETS, NoParams, channel_stats
 from fedhet.data.datasets.files import Manifest, explicit_location, os_problem, read_file
 from fedhet.data.types import ArrayDataset, DataError
+from fedhet.hub import hub_endpoint, hub_problem, hub_reachable, looks_like_hub_id
 from fedhet.params import Seed
 from fedhet.registry import parse_params
 
@@ -88,11 +87,17 @@ class HFParams(NoParams):
     # channels: "auto" keeps them (grey stays 1 channel, colour 3, with alpha 2 or 4); mixed modes: colour if any image
     # is colour, alpha only if every image has it (RGBA with RGB or L becomes RGB: the alpha channel is dropped)
     image_mode: Literal["auto", "L", "LA", "RGB", "RGBA"] = "auto"
-    tokens: Literal["char", "word"] = "char"  # text: a token is a character, or a word (LEAF's split)
+    # text: a token is a character, a word (LEAF's split), or a byte-pair piece ("bpe": a vocabulary of vocab_size
+    # learnt from the training split with Hugging Face tokenizers, no download)
+    tokens: Literal["char", "word", "bpe"] = "char"
     seq_len: int = Field(80, ge=1)  # text: tokens per sample (the first seq_len; shorter ones left-padded with 0)
     # text: ids 0 (padding), 1 (unknown) and the vocab_size - 2 most frequent tokens of the training split; the LSTM's
     # model.vocab_size must be at least this (80: its default)
     vocab_size: int = Field(80, ge=3)
+    # text: a pretrained model's own tokenizer instead (a folder with tokenizer.json or vocab files, or a hub id in
+    # the Hugging Face cache; with model.pretrained and no tokenizer given, the model's when its folder has one): its
+    # ids and special tokens, padded with its padding id on its side (a model without one: its end-of-text id, left)
+    tokenizer: str | None = Field(None, min_length=1)
     lowercase: bool = False  # text: lower-case before tokenising
     standardize: bool = True  # tabular: subtract the training split's mean, divide by its std, per column
 
@@ -132,20 +137,6 @@ def prepared_dir(data_dir) -> Path:
     return root / "fedhet-prepared"
 
 
-def hub_endpoint() -> str:
-    return os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-
-
-def hub_reachable(timeout: float = 5.0) -> bool:
-    """Whether the hub's host answers a TCP connection: without a network, datasets retries for minutes."""
-    url = urllib.parse.urlparse(hub_endpoint())
-    try:
-        with socket.create_connection((url.hostname or "", url.port or 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 @contextlib.contextmanager
 def offline_mode(on: bool):
     """datasets and huggingface_hub in offline mode (cached copies only) while ``on``."""
@@ -163,10 +154,6 @@ def offline_mode(on: bool):
 
 def is_local_copy(path: Path) -> bool:
     return os.path.lexists(path)
-
-
-def looks_like_hub_id(text: str) -> bool:
-    return re.fullmatch(r"[\w.-]+(/[\w.-]+)?", text) is not None and not text.startswith(".")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -214,15 +201,6 @@ def open_hub(p: HFParams, cache_dir: Path | None):
             ) from None
         raise DataError(f"dataset 'hf': cannot load {p.path!r} from the Hugging Face Hub: {hub_problem(exc)}") from None
     return loaded if isinstance(loaded, datasets.DatasetDict) else datasets.DatasetDict({"train": loaded})
-
-
-def hub_problem(exc: BaseException) -> str:
-    """The first cause of ``exc`` in one line: datasets wraps a reader's error (a CSV line with too many fields) in
-    one that says only "An error occurred while generating the dataset"."""
-    while exc.__cause__ is not None:
-        exc = exc.__cause__
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) < 300 else text[:297] + "..."
 
 
 def open_dataset(p: HFParams, data_dir) -> tuple[Any, Path | None]:
@@ -645,6 +623,10 @@ def texts(ds, column: str) -> list[str]:
 
 def text_arrays(train, test, column: str, p: HFParams) -> tuple[np.ndarray, np.ndarray, dict]:
     """Token ids, (N, seq_len) int64: the first seq_len tokens, left-padded with 0; unknown tokens are 1."""
+    if p.tokenizer is not None:
+        return pretrained_token_arrays(train, test, column, p)
+    if p.tokens == "bpe":
+        return bpe_arrays(train, test, column, p)
     train_tokens = [tokenise(t, p) for t in texts(train, column)]
     counts = collections.Counter(tok for toks in train_tokens for tok in toks)
     vocab = sorted(counts, key=lambda t: (-counts[t], t))[: p.vocab_size - 2]
@@ -680,6 +662,106 @@ def table(ds, cols: list[str]) -> np.ndarray:
         row, c = np.argwhere(~np.isfinite(x))[0]
         raise DataError(f"dataset 'hf': missing or infinite feature value at sample {row} (feature {c}); fill it first")
     return x
+
+
+def left_padded(rows: list[list[int]], p: HFParams) -> np.ndarray:
+    out = np.full((len(rows), p.seq_len), PAD, np.int64)
+    for row, ids in zip(out, rows, strict=True):
+        ids = ids[: p.seq_len]
+        if ids:
+            row[p.seq_len - len(ids) :] = ids
+    return out
+
+
+def bpe_arrays(train, test, column: str, p: HFParams) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Byte-pair pieces learnt from the training split (Hugging Face ``tokenizers``; ids 0 and 1 are padding and
+    unknown, as for characters and words), the first seq_len of each text, left-padded."""
+    try:
+        from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    except ImportError:
+        raise DataError("dataset 'hf': tokens = 'bpe' needs Hugging Face tokenizers: pip install tokenizers") from None
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    if p.lowercase:
+        tokenizer.normalizer = normalizers.Lowercase()
+    trainer = trainers.BpeTrainer(vocab_size=p.vocab_size, special_tokens=["<pad>", "<unk>"], show_progress=False)
+    tokenizer.train_from_iterator(texts(train, column), trainer)
+
+    def encode(ds) -> np.ndarray:
+        return left_padded([e.ids for e in tokenizer.encode_batch(texts(ds, column))], p)
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    return encode(train), encode(test), {"vocab": [token for token, _ in vocab]}
+
+
+TOKENIZER_FILES = [
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json", "merges.txt",
+    "added_tokens.json", "*.model",
+]  # fmt: skip
+
+
+def tokenizer_folder(spec: str) -> Path:
+    """The folder of ``dataset.tokenizer``: a local folder, or a hub id's snapshot in the Hugging Face cache."""
+    path = Path(spec).expanduser()
+    if os.path.lexists(path):
+        folder = path if path.is_dir() else path.parent
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES if "*" not in name):
+            raise DataError(
+                f"dataset 'hf': tokenizer {spec!r} has no tokenizer files in {folder} (tokenizer.json, ...)"
+            )
+        return folder
+    if not looks_like_hub_id(spec):
+        raise DataError(f"dataset 'hf': tokenizer {spec!r} does not exist, and is not a hub id (user/name)")
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    try:
+        return Path(huggingface_hub.snapshot_download(spec, local_files_only=True, allow_patterns=TOKENIZER_FILES))
+    except Exception:
+        raise DataError(
+            f"dataset 'hf': tokenizer {spec!r} is not a local folder, and no cached copy of it is in "
+            f"{constants.HF_HUB_CACHE}; download it where there is a network (hf download {spec}) or give a folder"
+        ) from None
+
+
+def pretrained_token_arrays(train, test, column: str, p: HFParams) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Ids from a pretrained tokenizer, with its special tokens ([CLS] ... [SEP]), cut to seq_len and padded with its
+    padding id on its padding side; one without a padding token (GPT-2) pads with its end-of-text id, on the left,
+    so that the last position, which a causal model predicts from, is the text's."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise DataError(
+            "dataset 'hf': dataset.tokenizer needs transformers: pip install 'fedhet[transformers]'"
+        ) from None
+    folder = tokenizer_folder(p.tokenizer)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # transformers' errors have no common base
+        raise DataError(f"dataset 'hf': tokenizer {p.tokenizer!r} cannot be read: {hub_problem(exc)}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token, tokenizer.padding_side = tokenizer.eos_token, "left"
+
+    def encode(ds) -> np.ndarray:
+        found = texts(ds, column)
+        if not len(found):
+            return np.empty((0, p.seq_len), np.int64)
+        out = tokenizer(list(found), truncation=True, max_length=p.seq_len, padding="max_length")
+        return np.asarray(out["input_ids"], np.int64)
+
+    extra = {"tokenizer": p.tokenizer, "vocab_size": len(tokenizer), "pad_id": tokenizer.pad_token_id}
+    return encode(train), encode(test), {**extra, "padding_side": tokenizer.padding_side}
+
+
+def tokenizer_digest(spec: str | None) -> str:
+    """The SHA-256 of a tokenizer's files (part of the prepared arrays' cache key); "" without one."""
+    if spec is None:
+        return ""
+    folder = tokenizer_folder(spec)
+    digest = hashlib.sha256()
+    for path in sorted(f for f in folder.iterdir() if f.is_file() and f.suffix != ".safetensors"):
+        digest.update(path.name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
 
 
 def tabular_arrays(train, test, cols: list[str], p: HFParams) -> tuple[np.ndarray, np.ndarray, dict]:
@@ -784,9 +866,12 @@ def load_hf(data_dir: str | Path | None = None, **params) -> ArrayDataset:
         content = fields["content_hash"]
     else:
         fields, content = {"source_dir": f"Hugging Face Hub: {p.path}"}, ""
+    # another tokenizer in the same folder prepares the text again; the files' own hash stays what `cache clean
+    # --stale` compares with the local copy
+    keyed = content + tokenizer_digest(p.tokenizer)
     folder = prepared_dir(data_dir)
     prepared.remove_leftovers(folder)
-    path = folder / f"{cache_key(train, test, p, content)}.npz"
+    path = folder / f"{cache_key(train, test, p, keyed)}.npz"
     arrays, damaged = prepared.read(path)
     notes = (
         [] if damaged is None else [f"dataset 'hf': the prepared file {path} was damaged ({damaged}); prepared again"]
