@@ -378,6 +378,57 @@ def test_ctrl_c_ends_a_flower_simulation_promptly(tmp_path):
     ], err
 
 
+def test_after_ctrl_c_flower_and_ray_log_nothing_until_the_simulations_threads_end():
+    """What made the Ctrl-C test above flaky, without Ray: Ctrl-C kills the ClientApp actors, and Flower's worker
+    thread then logs the ActorDiedError with its traceback. From the SIGINT on, Flower's and Ray's records are
+    dropped until the threads started in the body have ended (the main thread waits for them); fedhet's records and
+    those from before the Ctrl-C pass, and afterwards Flower logs as before."""
+    import logging
+    import os
+    import signal
+    import threading
+    import time
+
+    from fedhet.flower.raysim import silent_after_ctrl_c
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(f"{record.name}: {record.getMessage()}")
+
+    handler, loggers = Keep(), [logging.getLogger(name) for name in ("flwr", "ray", "fedhet")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    handler_before = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(KeyboardInterrupt), silent_after_ctrl_c():
+            logging.getLogger("flwr").error("a ClientApp failed")  # before Ctrl-C: shown
+
+            def actor_dies() -> None:
+                time.sleep(0.3)
+                logging.getLogger("flwr").error("ActorDiedError: the actor died unexpectedly")
+                logging.getLogger("fedhet").error("still shown")
+
+            worker = threading.Thread(target=actor_dies)
+            worker.start()
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the signal interrupts this
+        assert not worker.is_alive()  # waited for, so its record came while Flower was silenced
+        logging.getLogger("ray.worker").error("after the body")  # the filter is gone again
+        logging.getLogger("fedhet").error("fedhet's own")
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+    assert seen == [
+        "flwr: a ClientApp failed",
+        "fedhet: still shown",
+        "ray.worker: after the body",
+        "fedhet: fedhet's own",
+    ]
+    assert signal.getsignal(signal.SIGINT) is handler_before
+
+
 REAPED = """
 import subprocess, sys, time
 from fedhet.flower.reaper import reaped_on_death

@@ -7,8 +7,13 @@ The ServerApp and ClientApp are the deployment ones; only the runtime differs. R
 
 from __future__ import annotations
 
+import logging
+import signal
 import threading
+import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -53,7 +58,8 @@ def run_ray_simulation(
     run_dir = run_dir_of(cfg)
     # absolute: Ray's workers need not share this process's working directory
     root = str(Path(node_state_dir or run_dir / "node_state").expanduser().resolve()) if node_state else None
-    with warnings.catch_warnings(), reaped_on_death():  # Ray's helpers end with this process, even killed outright
+    # Ray's helpers end with this process, even killed outright; after Ctrl-C, only fedhet's own line is printed
+    with warnings.catch_warnings(), reaped_on_death(), silent_after_ctrl_c():
         # Ray's tip that a future release stops hiding GPUs from actors that ask for none: fedhet asks for
         # client_gpus explicitly, so the tip is noise on every run (the behaviour is left as Ray has it today).
         warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
@@ -72,3 +78,55 @@ def run_ray_simulation(
         finally:
             stop.set()
     return read_json(run_dir / "summary.json")
+
+
+LIBRARIES = ("flwr", "ray")  # the loggers (and their children) silenced after Ctrl-C
+GRACE_S = 10.0  # how long the main thread waits, after Ctrl-C, for the threads the simulation started to end
+
+
+def _not_a_library(record: logging.LogRecord) -> bool:
+    return record.name.split(".", 1)[0] not in LIBRARIES
+
+
+@contextmanager
+def silent_after_ctrl_c() -> Iterator[None]:
+    """From a Ctrl-C (SIGINT) on, Flower and Ray log nothing, until the threads started in the body have ended.
+
+    Ctrl-C ends Ray under Flower's worker threads: a ClientApp actor dies with its owner while a message is in
+    flight, and Flower's worker logs the ``ActorDiedError`` with its traceback (Ray may add an "Unhandled error"),
+    before or after fedhet's one ``interrupted`` line. That is the shutdown the user asked for, not a failure. The
+    SIGINT handler marks the moment before Python raises KeyboardInterrupt, so no record logged after it gets
+    through; without a Ctrl-C nothing is dropped (a ClientApp that fails still shows). Only in the main thread,
+    where Python runs signal handlers, and only over Python's own handler (an ignored SIGINT stays ignored)."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield
+        return
+    seen = threading.Event()
+    filtered: list[logging.Handler] = []
+    before = set(threading.enumerate())
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if not seen.is_set():  # the handlers as they are now: Ray adds its own when it starts
+            seen.set()
+            filtered.extend({h for name in ("", *LIBRARIES) for h in logging.getLogger(name).handlers})
+            for handler in filtered:
+                handler.addFilter(_not_a_library)
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if seen.is_set():  # Flower's workers log the actors' deaths as they end: they end first
+            _join_new_threads(before)
+        for handler in filtered:
+            handler.removeFilter(_not_a_library)
+
+
+def _join_new_threads(before: set[threading.Thread]) -> None:
+    deadline = time.monotonic() + GRACE_S
+    for thread in set(threading.enumerate()) - before:
+        if not thread.daemon and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
