@@ -492,7 +492,8 @@ def list_cmd(
                     f"{k} (required)" if f.is_required() else f"{k}={f.get_default(call_default_factory=True)!r}"
                     for k, f in fields
                 )
-            table.add_row(e.name, e.summary, params, *([_fit_text(kind, e.name)] if extra else []))
+            cells = (e.name, e.summary, params, *([_fit_text(kind, e.name)] if extra else []))
+            table.add_row(*map(escape, cells))  # as written: "fedhet[hf]" is not a style tag
         console.print(table)
 
 
