@@ -429,6 +429,38 @@ def test_after_ctrl_c_flower_and_ray_log_nothing_until_the_simulations_threads_e
     assert signal.getsignal(signal.SIGINT) is handler_before
 
 
+def test_threads_a_ctrl_c_leaves_blocked_are_abandoned_and_the_cli_ends_without_them(monkeypatch):
+    """The other half of the flaky Ctrl-C test: Flower's worker threads can wait in ray.get forever once Ray is shut
+    down under them, and Python's exit waits for every non-daemon thread, so the process printed 'interrupted' and
+    never ended. Threads still running after the grace period are abandoned(), and the CLI then exits 130 at once
+    (os._exit, after flushing) instead of waiting for them."""
+    import os
+    import signal
+    import threading
+
+    import fedhet.cli as cli
+    from fedhet.flower import raysim
+
+    monkeypatch.setattr(raysim, "GRACE_S", 0.2)
+    release = threading.Event()
+    try:
+        with pytest.raises(KeyboardInterrupt), raysim.silent_after_ctrl_c():
+            blocked = threading.Thread(target=release.wait)  # as ray.get on a task of a dead actor
+            blocked.start()
+            os.kill(os.getpid(), signal.SIGINT)
+            release.wait(5)  # the signal interrupts this
+        assert raysim.abandoned() == [blocked]
+        exits = []
+        monkeypatch.setattr(cli.os, "_exit", lambda code: exits.append(code) or sys.exit(code))
+        with pytest.raises(SystemExit):
+            cli._exit_interrupted("the last checkpoint is kept")
+        assert exits == [130]
+    finally:
+        release.set()
+    blocked.join(5)
+    assert raysim.abandoned() == []  # a thread that ended is no longer abandoned: a later Ctrl-C exits normally
+
+
 REAPED = """
 import subprocess, sys, time
 from fedhet.flower.reaper import reaped_on_death

@@ -541,6 +541,13 @@ def main() -> None:
 
 def _exit_interrupted(how_to_continue: str) -> NoReturn:
     err_console.print(f"[yellow]interrupted[/]: {escape(how_to_continue)}", soft_wrap=True, highlight=False)
+    raysim = sys.modules.get("fedhet.flower.raysim")
+    if raysim is not None and raysim.abandoned():
+        # Flower's worker threads wait forever on Ray, which Ctrl-C shut down under them, and Python's exit would
+        # wait for them. The run's files are written and closed; end without waiting.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     sys.exit(130)
 
 

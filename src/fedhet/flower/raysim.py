@@ -81,7 +81,15 @@ def run_ray_simulation(
 
 
 LIBRARIES = ("flwr", "ray")  # the loggers (and their children) silenced after Ctrl-C
-GRACE_S = 10.0  # how long the main thread waits, after Ctrl-C, for the threads the simulation started to end
+GRACE_S = 5.0  # how long the main thread waits, after Ctrl-C, for the threads the simulation started to end
+# Threads a Ctrl-C left blocked for good: Flower's workers waiting in ray.get on a task whose actor died as Ray shut
+# down (no error ever comes). Python's exit waits for every such thread; ``abandoned`` lets the CLI end without it.
+_ABANDONED: list[threading.Thread] = []
+
+
+def abandoned() -> list[threading.Thread]:
+    """The threads a Ctrl-C'd simulation left running after the grace period (alive still)."""
+    return [t for t in _ABANDONED if t.is_alive()]
 
 
 def _not_a_library(record: logging.LogRecord) -> bool:
@@ -90,7 +98,8 @@ def _not_a_library(record: logging.LogRecord) -> bool:
 
 @contextmanager
 def silent_after_ctrl_c() -> Iterator[None]:
-    """From a Ctrl-C (SIGINT) on, Flower and Ray log nothing, until the threads started in the body have ended.
+    """From a Ctrl-C (SIGINT) on, Flower and Ray log nothing, until the threads started in the body have ended (or
+    ``GRACE_S`` has passed: those still running are then ``abandoned()``).
 
     Ctrl-C ends Ray under Flower's worker threads: a ClientApp actor dies with its owner while a message is in
     flight, and Flower's worker logs the ``ActorDiedError`` with its traceback (Ray may add an "Unhandled error"),
@@ -127,6 +136,7 @@ def silent_after_ctrl_c() -> Iterator[None]:
 
 def _join_new_threads(before: set[threading.Thread]) -> None:
     deadline = time.monotonic() + GRACE_S
-    for thread in set(threading.enumerate()) - before:
-        if not thread.daemon and thread is not threading.current_thread():
-            thread.join(max(0.0, deadline - time.monotonic()))
+    started = [t for t in set(threading.enumerate()) - before if not t.daemon and t is not threading.current_thread()]
+    for thread in started:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    _ABANDONED[:] = [t for t in started if t.is_alive()]
