@@ -461,6 +461,52 @@ def test_threads_a_ctrl_c_leaves_blocked_are_abandoned_and_the_cli_ends_without_
     assert raysim.abandoned() == []  # a thread that ended is no longer abandoned: a later Ctrl-C exits normally
 
 
+def test_flowers_backend_shuts_ray_down_only_once_no_thread_waits_in_it(monkeypatch):
+    """The third way the Ctrl-C test failed: Flower shut Ray down while a worker thread still waited in ray.get on
+    a ClientApp task, and the destroyed core worker ended the process with status 1 and a C++ stack trace. The
+    backend fedhet gives Flower kills the busy actors, waits for the threads to leave process_message, then shuts
+    down; a message after that is refused without reaching Ray. A stand-in for Ray: a task ends when killed."""
+    import threading
+    from types import SimpleNamespace
+
+    from fedhet.flower import raysim
+
+    events: list[str] = []
+    running = threading.Event()
+    killed = threading.Event()
+
+    class Flower:  # RayBackend's part the subclass relies on
+        def __init__(self) -> None:
+            self.pool = SimpleNamespace(_future_to_actor={})
+
+        def process_message(self, message, context):
+            self.pool._future_to_actor["future"] = "actor"
+            running.set()
+            killed.wait(5)  # ray.get on the actor's task
+            events.append("the worker left ray.get")
+            raise RuntimeError("ActorDiedError")
+
+        def terminate(self) -> None:
+            events.append("ray.shutdown")
+
+    monkeypatch.setattr(raysim, "_kill", lambda actors: (events.append(f"kill {actors}"), killed.set()))
+    backend = raysim.orderly(Flower)()
+    worker = threading.Thread(target=lambda: _swallow(backend.process_message, "m", "c"))
+    worker.start()
+    assert running.wait(5)
+    backend.terminate()
+    worker.join(5)
+    assert events == ["kill ['actor']", "the worker left ray.get", "ray.shutdown"]
+    with pytest.raises(RuntimeError, match="shutting down"):
+        backend.process_message("late", "c")
+    assert events[-1] == "ray.shutdown"  # the late message never reached Flower's Ray code
+
+
+def _swallow(call, *args) -> None:
+    with suppress(RuntimeError):
+        call(*args)
+
+
 REAPED = """
 import subprocess, sys, time
 from fedhet.flower.reaper import reaped_on_death
