@@ -15,11 +15,16 @@ def _few_threads():
 
 # FedBN's digit CNN, narrowed so a run on digits takes about a second: tiny_config's model for fedbn
 BATCHNORM_MODEL = {"name": "cnn_bn", "channels": [4, 4, 8], "hidden": [16]}
+# CReFF's official 100 feature-matching steps and 300 retraining epochs over 100 features per class cost 5-15 s a
+# run on digits, in every test that runs every algorithm: tiny_config gives creff named without parameters these
+# (the same code, fewer iterations; tests/test_creff.py sets its own)
+CREFF_TINY = {"num_features": 10, "match_epochs": 5, "retrain_epochs": 5, "real_repeats": 2}
 
 
 @pytest.fixture
 def tiny_config(tmp_path):
-    """A federated run on sklearn digits that takes about a second (fedbn gets ``BATCHNORM_MODEL``)."""
+    """A federated run on sklearn digits that takes about a second (fedbn gets ``BATCHNORM_MODEL``, creff named
+    without parameters ``CREFF_TINY``)."""
 
     def make(**sections):
         raw = {
@@ -33,6 +38,8 @@ def tiny_config(tmp_path):
         }
         if sections.get("algorithm", {}).get("name") == "fedbn" and "model" not in sections:
             raw["model"] = BATCHNORM_MODEL  # FedBN refuses a model without BatchNorm layers
+        if sections.get("algorithm") == {"name": "creff"}:
+            sections = {**sections, "algorithm": {"name": "creff", **CREFF_TINY}}
         for name, values in sections.items():
             # a component given by a new name starts from its own defaults, not the previous one's parameters
             replace = name in ("algorithm", "server") or (name in ("partition", "model") and "name" in values)

@@ -378,6 +378,135 @@ def test_ctrl_c_ends_a_flower_simulation_promptly(tmp_path):
     ], err
 
 
+def test_after_ctrl_c_flower_and_ray_log_nothing_until_the_simulations_threads_end():
+    """What made the Ctrl-C test above flaky, without Ray: Ctrl-C kills the ClientApp actors, and Flower's worker
+    thread then logs the ActorDiedError with its traceback. From the SIGINT on, Flower's and Ray's records are
+    dropped until the threads started in the body have ended (the main thread waits for them); fedhet's records and
+    those from before the Ctrl-C pass, and afterwards Flower logs as before."""
+    import logging
+    import os
+    import signal
+    import threading
+    import time
+
+    from fedhet.flower.raysim import silent_after_ctrl_c
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(f"{record.name}: {record.getMessage()}")
+
+    handler, loggers = Keep(), [logging.getLogger(name) for name in ("flwr", "ray", "fedhet")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    handler_before = signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(KeyboardInterrupt), silent_after_ctrl_c():
+            logging.getLogger("flwr").error("a ClientApp failed")  # before Ctrl-C: shown
+
+            def actor_dies() -> None:
+                time.sleep(0.3)
+                logging.getLogger("flwr").error("ActorDiedError: the actor died unexpectedly")
+                logging.getLogger("fedhet").error("still shown")
+
+            worker = threading.Thread(target=actor_dies)
+            worker.start()
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the signal interrupts this
+        assert not worker.is_alive()  # waited for, so its record came while Flower was silenced
+        logging.getLogger("ray.worker").error("after the body")  # the filter is gone again
+        logging.getLogger("fedhet").error("fedhet's own")
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+    assert seen == [
+        "flwr: a ClientApp failed",
+        "fedhet: still shown",
+        "ray.worker: after the body",
+        "fedhet: fedhet's own",
+    ]
+    assert signal.getsignal(signal.SIGINT) is handler_before
+
+
+def test_threads_a_ctrl_c_leaves_blocked_are_abandoned_and_the_cli_ends_without_them(monkeypatch):
+    """The other half of the flaky Ctrl-C test: Flower's worker threads can wait in ray.get forever once Ray is shut
+    down under them, and Python's exit waits for every non-daemon thread, so the process printed 'interrupted' and
+    never ended. Threads still running after the grace period are abandoned(), and the CLI then exits 130 at once
+    (os._exit, after flushing) instead of waiting for them."""
+    import os
+    import signal
+    import threading
+
+    import fedhet.cli as cli
+    from fedhet.flower import raysim
+
+    monkeypatch.setattr(raysim, "GRACE_S", 0.2)
+    release = threading.Event()
+    try:
+        with pytest.raises(KeyboardInterrupt), raysim.silent_after_ctrl_c():
+            blocked = threading.Thread(target=release.wait)  # as ray.get on a task of a dead actor
+            blocked.start()
+            os.kill(os.getpid(), signal.SIGINT)
+            release.wait(5)  # the signal interrupts this
+        assert raysim.abandoned() == [blocked]
+        exits = []
+        monkeypatch.setattr(cli.os, "_exit", lambda code: exits.append(code) or sys.exit(code))
+        with pytest.raises(SystemExit):
+            cli._exit_interrupted("the last checkpoint is kept")
+        assert exits == [130]
+    finally:
+        release.set()
+    blocked.join(5)
+    assert raysim.abandoned() == []  # a thread that ended is no longer abandoned: a later Ctrl-C exits normally
+
+
+def test_flowers_backend_shuts_ray_down_only_once_no_thread_waits_in_it(monkeypatch):
+    """The third way the Ctrl-C test failed: Flower shut Ray down while a worker thread still waited in ray.get on
+    a ClientApp task, and the destroyed core worker ended the process with status 1 and a C++ stack trace. The
+    backend fedhet gives Flower kills the busy actors, waits for the threads to leave process_message, then shuts
+    down; a message after that is refused without reaching Ray. A stand-in for Ray: a task ends when killed."""
+    import threading
+    from types import SimpleNamespace
+
+    from fedhet.flower import raysim
+
+    events: list[str] = []
+    running = threading.Event()
+    killed = threading.Event()
+
+    class Flower:  # RayBackend's part the subclass relies on
+        def __init__(self) -> None:
+            self.pool = SimpleNamespace(_future_to_actor={})
+
+        def process_message(self, message, context):
+            self.pool._future_to_actor["future"] = "actor"
+            running.set()
+            killed.wait(5)  # ray.get on the actor's task
+            events.append("the worker left ray.get")
+            raise RuntimeError("ActorDiedError")
+
+        def terminate(self) -> None:
+            events.append("ray.shutdown")
+
+    monkeypatch.setattr(raysim, "_kill", lambda actors: (events.append(f"kill {actors}"), killed.set()))
+    backend = raysim.orderly(Flower)()
+    worker = threading.Thread(target=lambda: _swallow(backend.process_message, "m", "c"))
+    worker.start()
+    assert running.wait(5)
+    backend.terminate()
+    worker.join(5)
+    assert events == ["kill ['actor']", "the worker left ray.get", "ray.shutdown"]
+    with pytest.raises(RuntimeError, match="shutting down"):
+        backend.process_message("late", "c")
+    assert events[-1] == "ray.shutdown"  # the late message never reached Flower's Ray code
+
+
+def _swallow(call, *args) -> None:
+    with suppress(RuntimeError):
+        call(*args)
+
+
 REAPED = """
 import subprocess, sys, time
 from fedhet.flower.reaper import reaped_on_death

@@ -32,6 +32,31 @@ def test_list_takes_singular_and_plural(kind):
     assert result.exit_code == 0, result.output
 
 
+def test_list_shows_every_description_and_default_as_written(monkeypatch):
+    """fedhet list prints through rich, where "[hf]" in "needs fedhet[hf]" was a style tag and vanished: every
+    entry's name, description and parameters are in the output as the registry has them (a wide console, so no
+    cell wraps)."""
+    import io
+
+    from rich.console import Console
+
+    import fedhet.cli as cli
+    from fedhet.algorithms import ALGORITHMS, SERVER_OPTIMIZERS
+    from fedhet.data.datasets import DATASETS
+    from fedhet.data.features import FEATURE_SKEWS
+    from fedhet.data.partition import PARTITIONERS
+    from fedhet.models import MODELS
+
+    out = io.StringIO()
+    monkeypatch.setattr(cli, "console", Console(file=out, width=1000))
+    assert invoke("list").exit_code == 0
+    text = out.getvalue()
+    assert "needs fedhet[hf]" in text
+    registries = (DATASETS, PARTITIONERS, FEATURE_SKEWS, MODELS, ALGORITHMS, SERVER_OPTIMIZERS)
+    lost = [e.summary for r in registries for e in r.entries() if f" {e.summary} " not in text]
+    assert not lost, lost
+
+
 def test_unknown_names_suggest_the_closest():
     with pytest.raises(ConfigError, match=r"did you mean 'fedprox'\?$"):
         fedhet.make_config(None, algorithm="fedprx")

@@ -45,6 +45,17 @@ def test_every_doc_page_is_built_with_the_api_reference(site):
         assert f'id="fedhet.{name}"' in registries, name
 
 
+@pytest.mark.slow
+def test_long_lines_in_code_blocks_wrap_on_every_page(site):
+    """Material scrolls a long code line sideways behind a thin scrollbar, so long commands read as cut off: the
+    site's own stylesheet wraps them, and every page links it."""
+    css = (site / "stylesheets" / "extra.css").read_text()
+    assert re.search(r"\.md-typeset pre > code \{[^}]*white-space: pre-wrap;", css), css
+    for page in site.rglob("index.html"):
+        if "<pre" in (html := page.read_text()):
+            assert "stylesheets/extra.css" in html, page
+
+
 def test_the_home_page_defines_every_link_the_readme_defines():
     """docs/index.md includes README.md up to its link definitions and defines them anew for the site (a link
     it left undefined would show as bracketed text, which no build warns about)."""

@@ -74,6 +74,21 @@ def test_noise_leaves_the_official_test_set_clean():
     assert not torch.equal(fed.clients[3].x, plain.clients[3].x)
 
 
+@pytest.mark.parametrize("merged", [False, True])
+def test_noise_reaches_the_global_test_set_when_it_is_the_union_of_local_splits(merged):
+    """docs/non-iid.md: clean only as the dataset's own test set. Without one, or merged into the training data,
+    the global test set is the clients' local test splits, each with its own client's noise."""
+    ds = table(n_train=4000)  # zero inputs: what a sample holds is its noise alone
+    if not merged:  # the same data without a test set
+        ds = ArrayDataset("tab", ds.x_train, ds.y_train, ds.x_train[:0], ds.y_train[:0], 2, (5,), "tabular")
+    parts = split(len(ds.y_train) + (len(ds.y_test) if merged else 0), 4)
+    fed = federate(ds, parts, local_test_fraction=0.25, merged=merged, seed=0, skew=feature_skew("noise", ds, 4))
+    assert fed.test_source == "local-union"
+    assert torch.equal(fed.x_test, torch.cat([c.x_test for c in fed.clients]))
+    last = fed.x_test[-len(fed.clients[-1].y_test) :]  # the last client's share: std sigma = 0.1, not 0
+    assert float(last.std()) == pytest.approx(0.1, rel=0.1)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # domains
 

@@ -3,16 +3,18 @@
 Usage: python benchmarks/system/tables.py [OUT] [--plot-dir DIR]   (OUT default runs/system-synthetic)
 
 Reads OUT/<study>/<setting>/<label>/<method>-s<seed> and, for cells not there, the archived copies in
-benchmarks/system/results (benchmarks/reproduce/archive.py). A cell is mean ± std over the seeds whose run reached
-its last round, with the seeds listed; one with unfinished seeds says so. The asynchronous study compares the
-methods at equal simulated time: each method's accuracy at the last evaluation at or before a time."""
+benchmarks/system/results (benchmarks/reproduce/archive.py). A cell is mean ± sample standard deviation (n − 1, as
+``fedhet report``) over the seeds whose run reached its last round, with the seeds listed; one with unfinished seeds
+says so. The asynchronous study compares the methods at equal simulated time (each method's accuracy at the last
+evaluation at or before a time), by the simulated time to a target accuracy, and by the clients' work per simulated
+second."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
-from statistics import mean, pstdev
+from statistics import mean, stdev
 
 ARCHIVE = Path(__file__).parent / "results"
 STRAGGLERS = ["0", "0.5", "0.9"]
@@ -27,6 +29,8 @@ def straggler_labels(mu: str) -> dict[str, str]:
     }
 
 
+ASYNC = (("fedavg-sync", "FedAvg, synchronous"), ("fedbuff", "FedBuff (K = 5, 10 at once)"))
+TARGETS = (70, 75, 80)  # test accuracy (%) for the time-to-target table
 WORK = {"sizes": "sizes' spread", "random": "random share", "deadline": "deadline, log-normal speeds"}
 
 
@@ -41,20 +45,20 @@ def records(run: Path) -> list[dict]:
     return out
 
 
-def runs(out: Path, folder: str) -> dict[int, tuple[list[dict], int]]:
-    """seed -> (evaluation records, the rounds the run was set to) of the cell in ``folder``, live or archived."""
+def runs(out: Path, folder: str) -> dict[int, tuple[list[dict], dict]]:
+    """seed -> (evaluation records, the run's config) of the cell in ``folder``, live or archived."""
     found = {}
     for root in (ARCHIVE, out):  # a live folder wins over its archived copy
         for run in sorted((root / folder).glob("*-s*")):
             recs = records(run)
             config = run / "config.json"
             if recs and config.exists():
-                found[int(run.name.rsplit("-s", 1)[1])] = (recs, json.loads(config.read_text())["run"]["rounds"])
+                found[int(run.name.rsplit("-s", 1)[1])] = (recs, json.loads(config.read_text()))
     return found
 
 
 def finished(found: dict) -> dict[int, list[dict]]:
-    return {seed: recs for seed, (recs, rounds) in found.items() if recs[-1]["round"] >= rounds}
+    return {seed: recs for seed, (recs, config) in found.items() if recs[-1]["round"] >= config["run"]["rounds"]}
 
 
 def cell(found: dict, value, digits: int = 1) -> str:
@@ -62,7 +66,7 @@ def cell(found: dict, value, digits: int = 1) -> str:
     if not done:
         return "–" if not found else f"(running: round {max(r[-1]['round'] for r, _ in found.values())})"
     xs = [value(recs) for recs in done.values()]
-    text = f"{mean(xs):.{digits}f} ± {pstdev(xs):.{digits}f}" if len(xs) > 1 else f"{xs[0]:.{digits}f}"
+    text = f"{mean(xs):,.{digits}f} ± {stdev(xs):,.{digits}f}" if len(xs) > 1 else f"{xs[0]:,.{digits}f}"
     text += f" <sub>s{','.join(map(str, sorted(done)))}</sub>"
     return text + (f" +{len(found) - len(done)} unfinished" if len(done) < len(found) else "")
 
@@ -87,6 +91,17 @@ def stragglers(out: Path, study: str = "stragglers") -> list[str]:
     return lines
 
 
+def clock(out: Path, study: str = "stragglers") -> list[str]:
+    """Simulated seconds at the last round: dropped stragglers are not waited for, so FedAvg's rounds are shorter."""
+    labels = straggler_labels(STUDIES[study])
+    lines = ["| method | " + " | ".join(f"{float(s):.0%} stragglers" for s in STRAGGLERS) + " |"]
+    lines.append("|---|" + "---|" * len(STRAGGLERS))
+    for label, name in labels.items():
+        cells = [cell(runs(out, f"{study}/{s}/{label}"), lambda r: r[-1]["sim/time"], 0) for s in STRAGGLERS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def local_work(out: Path) -> list[str]:
     lines = ["| method | " + " | ".join(WORK.values()) + " |", "|---|" + "---|" * len(WORK)]
     for method in ("fedavg", "fednova"):
@@ -102,10 +117,71 @@ def asynchronous(out: Path) -> list[str]:
     end = mean(recs[-1]["sim/time"] for recs in sync.values())
     times = [end / 8, end / 4, end / 2, end]
     lines = ["| method | " + " | ".join(f"t = {t:,.0f} s" for t in times) + " |", "|---|" + "---|" * len(times)]
-    for label, name in (("fedavg-sync", "FedAvg, synchronous"), ("fedbuff", "FedBuff (K = 5, 10 at once)")):
+    for label, name in ASYNC:
         found = runs(out, f"async/lognormal/{label}")
         lines.append(f"| {name} | " + " | ".join(cell(found, lambda r, t=t: acc_at(r, t)) for t in times) + " |")
     return lines
+
+
+def time_to(recs: list[dict], target: float) -> float | None:
+    """Simulated seconds at the first evaluation with test accuracy >= ``target`` % (None: never reached)."""
+    return next((r["sim/time"] for r in recs if 100 * r["test_acc"] >= target), None)
+
+
+def time_cell(found: dict, target: float) -> str:
+    done = finished(found)
+    if not done:
+        return "–"
+    times = {seed: time_to(recs, target) for seed, recs in done.items()}
+    reached = [t for t in times.values() if t is not None]
+    text = f"{mean(reached):,.0f}" + (f" ± {stdev(reached):,.0f}" if len(reached) > 1 else "") if reached else ""
+    text += f" <sub>s{','.join(str(s) for s in sorted(times) if times[s] is not None)}</sub>" if reached else ""
+    missed = [str(s) for s in sorted(times) if times[s] is None]
+    return (text + (f"; not reached by s{','.join(missed)}" if missed else "")).lstrip("; ") or "–"
+
+
+def time_to_target(out: Path) -> list[str]:
+    lines = ["| method | " + " | ".join(f"{t} %" for t in TARGETS) + " |", "|---|" + "---|" * len(TARGETS)]
+    for label, name in ASYNC:
+        found = runs(out, f"async/lognormal/{label}")
+        lines.append(f"| {name} | " + " | ".join(time_cell(found, t) for t in TARGETS) + " |")
+    return lines
+
+
+def updates(recs: list[dict], config: dict) -> int:
+    """Client updates the run aggregated: FedBuff counts them; a synchronous round without stragglers, deadline or
+    dropouts aggregates every sampled client (its records say so: no client dropped)."""
+    if "async/updates" in recs[-1]:
+        return recs[-1]["async/updates"]
+    assert all(r.get("sim/dropped", 0) == 0 for r in recs), "dropped clients: the count below would be wrong"
+    return config["run"]["rounds"] * config["train"]["clients_per_round"]
+
+
+def work(out: Path) -> list[str]:
+    """Per seed: updates per 1,000 simulated seconds (exact), local steps per update (the mean over the evaluated
+    rounds' clients: the only rounds whose clients metrics.jsonl records) and their product, an estimate."""
+    lines = [
+        "| method | updates per 1,000 s | local steps per update (sampled) | local steps per s (estimate) |",
+        "|---|---|---|---|",
+    ]
+    for label, name in ASYNC:
+        found = runs(out, f"async/lognormal/{label}")
+        seeds, total = [], 0
+        for recs, config in found.values():
+            total += updates(recs, config)
+            rate = updates(recs, config) / recs[-1]["sim/time"]
+            steps = mean(r["clients/steps/mean"] for r in recs)
+            seeds.append((1000 * rate, steps, rate * steps))
+        if not seeds:
+            continue
+        cells = [spread([v[i] for v in seeds], digits) for i, digits in enumerate((1, 0, 1))]
+        sampled = sum(r["clients"] for recs, _ in found.values() for r in recs)
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} ({sampled:,} of {total:,} updates) | {cells[2]} |")
+    return lines
+
+
+def spread(xs: list[float], digits: int) -> str:
+    return f"{mean(xs):,.{digits}f} ± {stdev(xs):,.{digits}f}" if len(xs) > 1 else f"{xs[0]:,.{digits}f}"
 
 
 def plots(out: Path, folder: Path) -> list[Path]:
@@ -167,10 +243,17 @@ def main() -> None:
     print("\n".join(stragglers(args.out)))
     print("\nShakespeare: test accuracy (%) after the last round, by the share of stragglers:\n")
     print("\n".join(stragglers(args.out, "stragglers_shakespeare")))
+    for study, name in (("stragglers", "Synthetic(1, 1)"), ("stragglers_shakespeare", "Shakespeare")):
+        print(f"\n{name}: simulated seconds at the last round, by the share of stragglers:\n")
+        print("\n".join(clock(args.out, study)))
     print("\nTest accuracy (%) after the last round, FedAvg against FedNova, by how local work varies:\n")
     print("\n".join(local_work(args.out)))
     print("\nTest accuracy (%) at equal simulated time (fractions of the synchronous runs' length):\n")
     print("\n".join(asynchronous(args.out)))
+    print("\nSimulated seconds to a test accuracy (the first evaluation at or above it):\n")
+    print("\n".join(time_to_target(args.out)))
+    print("\nThe clients' work per simulated second:\n")
+    print("\n".join(work(args.out)))
     if args.plot_dir:
         for path in plots(args.out, args.plot_dir):
             print(f"plot: {path}")

@@ -687,7 +687,7 @@ def list_cmd(
             if tuned:
                 space = e.params.tunable if e.params is not None else {}
                 cells.append(", ".join(f"{k}={v}" for k, v in space.items()) or "(none)")
-            table.add_row(e.name, e.summary, params, *cells)
+            table.add_row(*map(escape, (e.name, e.summary, params, *cells)))  # as written: "fedhet[hf]" is no style tag
         console.print(table)
 
 
@@ -761,6 +761,13 @@ def main() -> None:
 
 def _exit_interrupted(how_to_continue: str) -> NoReturn:
     err_console.print(f"[yellow]interrupted[/]: {escape(how_to_continue)}", soft_wrap=True, highlight=False)
+    raysim = sys.modules.get("fedhet.flower.raysim")
+    if raysim is not None and raysim.abandoned():
+        # Flower's worker threads wait forever on Ray, which Ctrl-C shut down under them, and Python's exit would
+        # wait for them. The run's files are written and closed; end without waiting.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     sys.exit(130)
 
 
