@@ -293,3 +293,26 @@ def test_fedhet_compare_refuses_an_unknown_baseline_in_one_line(tmp_path, monkey
     assert code != 0 and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert "--baseline 'fedsgd' is not a variant of this comparison; choose one of: fedavg, fedprox, auto, none" in err
     assert not (tmp_path / "comparison.md").exists()
+
+
+def test_values_a_tuner_chose_are_the_methods_so_tuned_rows_share_a_setting_and_pair(tmp_path):
+    """compare --tune runs each variant with its own chosen train.lr: that is part of the method (its label shows
+    it), not another setting, so fedprox still pairs with fedavg and no rank table splits them."""
+    for algorithm, lr, finals in (("fedavg", 0.02, FEDAVG), ("fedprox", 0.1, {0: 0.74, 1: 0.75, 2: 0.79})):
+        for seed, final in finals.items():
+            folder = make_run(tmp_path, f"{algorithm}-s{seed}", algorithm, seed, final)
+            config = json.loads((folder / "config.json").read_text())
+            config["train"] = {"lr": lr}
+            write_json_atomic(folder / "config.json", config)
+            write_json_atomic(folder / "provenance.json", {"tuning": {"tuned": True, "params": {"train.lr": lr}}})
+    rows = summary_table(group_runs(load_runs([tmp_path])), baseline="fedavg")
+    assert [r.label for r in rows] == ["fedavg lr=0.02", "fedprox lr=0.1"]
+    assert [r.method for r in rows] == ["fedavg", "fedprox"] and {r.setting for r in rows} == {"all"}
+    assert rows[1].versus is not None and rows[1].versus.n == 3
+    assert math.isclose(rows[1].versus.mean, (0.04 + 0.03 + 0.05) / 3)
+    assert "average rank" not in report_markdown(rows)  # one setting: no rank table
+
+    for folder in tmp_path.iterdir():  # the same runs without the tuner's record: two settings, nothing to pair
+        (folder / "provenance.json").unlink()
+    rows = summary_table(group_runs(load_runs([tmp_path])), baseline="auto")
+    assert {r.setting for r in rows} == {"lr=0.02", "lr=0.1"} and all(r.versus is None for r in rows)

@@ -91,6 +91,9 @@ class Run:
     config: dict
     metrics: list[dict]
     summary: dict = field(default_factory=dict)
+    # the settings a tuner chose for this run (``fedhet compare --tune``, provenance.json's ``tuning.params``): they
+    # belong to the method, so runs whose tuners chose differently are one setting and still pair with each other
+    tuned: tuple[str, ...] = ()
 
     def values(self, metric: str) -> list[tuple[int, float]]:
         """(round, value) for every evaluation that recorded `metric`."""
@@ -216,7 +219,24 @@ def load_runs(paths: list[str | Path], warn: Warn = None) -> list[Run]:
 def load_run(folder: Path, warn: Warn = None) -> Run:
     summary_path = folder / "summary.json"
     summary = read_json(summary_path, dict) if summary_path.exists() else {}
-    return Run(folder, read_json(folder / "config.json", dict), read_metrics(folder / "metrics.jsonl", warn), summary)
+    config, metrics = read_json(folder / "config.json", dict), read_metrics(folder / "metrics.jsonl", warn)
+    return Run(folder, config, metrics, summary, tuned_settings(folder))
+
+
+def tuned_settings(folder: Path) -> tuple[str, ...]:
+    """The keys a tuner chose for the run in ``folder`` (provenance.json's ``tuning.params``); () for other runs."""
+    path = folder / "provenance.json"
+    try:
+        tuning = read_json(path, dict).get("tuning") if path.exists() else None
+    except FedhetError:  # an unreadable provenance says nothing about tuning; the run is still reported
+        return ()
+    params = tuning.get("params") if isinstance(tuning, dict) else None
+    return tuple(sorted(params)) if isinstance(params, dict) else ()
+
+
+def tuned_keys(groups: list[Group]) -> frozenset[str]:
+    """Every key a tuner chose for some run of ``groups``."""
+    return frozenset(key for group in groups for run in group.runs for key in run.tuned)
 
 
 def recorded_metrics(runs: list[Run]) -> list[str]:
@@ -261,7 +281,8 @@ def group_runs(runs: list[Run]) -> list[Group]:
         if key not in groups:
             groups[key] = Group("", [], settings)
         groups[key].runs.append(run)
-    result = [groups[k] for k in group_order({k: g.settings for k, g in groups.items()})]
+    tuned = tuned_keys(list(groups.values()))
+    result = [groups[k] for k in group_order({k: g.settings for k, g in groups.items()}, tuned)]
     for group in result:
         group.runs.sort(key=lambda r: (value_key(r.config.get("run", {}).get("seed")), str(r.path)))
     for group, label in zip(result, make_labels([g.settings for g in result]), strict=True):
@@ -269,14 +290,15 @@ def group_runs(runs: list[Run]) -> list[Group]:
     return result
 
 
-def group_order(settings: dict[str, dict[str, Any]]) -> list[str]:
+def group_order(settings: dict[str, dict[str, Any]], tuned: frozenset[str] = frozenset()) -> list[str]:
     """The keys of ``settings`` (one flattened config per group) in the one order every table and plot uses: by the
     setting (the dataset, partition, model and training values that differ, numbers by value), then by method
     family (FAMILIES: FedAvg first, plug-ins last), the algorithm's place in it, the server optimiser (plain
     averaging first), and the method's remaining differing settings. Whatever order the runs were found in (a
-    comparison's cells, a folder listing), the rows come out the same."""
+    comparison's cells, a folder listing), the rows come out the same. ``tuned`` keys (``tuned_keys``) are the
+    method's, whatever their section."""
     keys = differing_keys(list(settings.values()), presence_counts=True)
-    setting_keys = [k for k in keys if k.startswith(SETTING_SECTIONS)]
+    setting_keys = [k for k in keys if k.startswith(SETTING_SECTIONS) and k not in tuned]
     method_keys = [k for k in keys if k not in setting_keys]
 
     def order(item: tuple[str, dict[str, Any]]) -> tuple:
@@ -374,9 +396,11 @@ def seeds_note(groups: list[Group]) -> str | None:
 
 def method_and_setting(groups: list[Group]) -> tuple[list[str], list[str]]:
     """Each group's method (its label without the setting: ``fedprox mu=0.1``) and setting (``alpha=0.1``, or
-    "all" where the groups share one)."""
+    "all" where the groups share one). The values a tuner chose (``tuned_keys``) are in neither: a tuned fedprox is
+    the method ``fedprox`` (its chosen values are in its label and the tuning table), in the setting of the others."""
     settings = [g.settings for g in groups]
-    keys = differing_keys(settings, presence_counts=False)
+    tuned = tuned_keys(groups)
+    keys = [k for k in differing_keys(settings, presence_counts=False) if k not in tuned]
     setting_keys = [k for k in keys if k.startswith(SETTING_SECTIONS)]
     method_keys = [k for k in keys if k not in setting_keys]
     methods = [label_for(s, method_keys) for s in settings]
