@@ -459,17 +459,20 @@ def _run_in_workers(
                     give(slot)
                 slot.proc.join()
     except BaseException:  # Ctrl-C (or a bug here): stop every worker now, mid-round; their checkpoints are whole
-        for slot in slots:
-            if slot.proc is not None:
-                slot.proc.terminate()
-        for slot in slots:
-            if slot.proc is not None:
-                slot.proc.join(10)
-                if slot.proc.exitcode is None:
-                    slot.proc.kill()
-                    slot.proc.join()
+        stop_processes([slot.proc for slot in slots if slot.proc is not None])
         raise
     return [results[c.name] for c in todo]
+
+
+def stop_processes(procs: list) -> None:
+    """Terminate worker processes now (SIGTERM), then kill any still alive after 10 s, and reap them all."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.join(10)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
 
 
 def _exit_reason(code: int) -> str:

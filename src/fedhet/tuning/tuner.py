@@ -266,7 +266,7 @@ def _run_in_workers(study: Any, plan: TunePlan, workers: int, threads: int, disp
     trial). A worker that dies fails its trial only; a new one takes the trials still to run."""
     from multiprocessing.connection import wait
 
-    from fedhet.cells import _exit_reason
+    from fedhet.cells import _exit_reason, stop_processes
     from fedhet.engine.workers import CONTEXT
     from fedhet.tuning.trials import worker
 
@@ -335,15 +335,7 @@ def _run_in_workers(study: Any, plan: TunePlan, workers: int, threads: int, disp
                     slot.conn.send(None)
                 slot.proc.join()
     except BaseException:  # Ctrl-C: stop every worker now; the trials they ran stay RUNNING and are rerun next time
-        for slot in slots:
-            if slot.proc is not None:
-                slot.proc.terminate()
-        for slot in slots:
-            if slot.proc is not None:
-                slot.proc.join(10)
-                if slot.proc.exitcode is None:
-                    slot.proc.kill()
-                    slot.proc.join()
+        stop_processes([slot.proc for slot in slots if slot.proc is not None])
         raise
 
 
