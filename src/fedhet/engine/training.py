@@ -382,16 +382,27 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
     algo_cls, algo_cfg = algorithm_config(cfg)
     check_model_fits(cfg, fed, device, algo_cls, algo_cfg)  # too big for the device: a ConfigError, before allocating
 
+    frozen: dict[str, torch.Tensor] = {}
+
     def make_model():
         # Auxiliary models (frozen global/previous models) are built lazily inside clients; forking the RNG
         # keeps their construction from shifting the client's random stream (dropout, augmentation).
         with torch.random.fork_rng(devices=[]):
             model = build_model(cfg.model.name, fed.input_shape, fed.num_classes, **cfg.model.params())
             model = algo_cls.prepare_model(algo_cfg, model)
-            return algo_cls.prepare_federated_model(algo_cfg, model, fed.num_clients).to(device)
+            model = algo_cls.prepare_federated_model(algo_cfg, model, fed.num_clients)
+            model = adapt_model(cfg, model).to(device)
+        # frozen parameters never travel: every copy takes the global model's, so a teacher or a second model run
+        # through functional_call at the flat parameters is the same function as the global model there
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in frozen:
+                    p.copy_(frozen[name])
+        return model
 
     torch.manual_seed(derive_seed(cfg.run.seed, 0x40DE1))
     model = make_model()
+    frozen.update({n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad})
     flat = FlatModel(model)
     setup = Setup(fed.num_clients, fed.num_classes, cfg.train, make_model, device, cfg.privacy)
     algo = build_algorithm(cfg, setup)
@@ -409,6 +420,17 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
         attack=None if cfg.attack.kind == "none" else Attack(cfg.attack, fed, cfg.run.seed),
     )
     return Training(model, flat, setup, algo, runner)
+
+
+def adapt_model(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with ``model.freeze``'s modules frozen and ``model.lora_*``'s adapters added (models/adapt.py); FFA-LoRA
+    (``server.lora_aggregation = "ffa"``) keeps the adapters' A matrices frozen."""
+    from fedhet.models.adapt import adapt
+
+    lora = cfg.model.lora(train_a=cfg.server.lora_aggregation != "ffa")
+    if cfg.model.freeze == "none" and lora is None:
+        return model
+    return adapt(model, cfg.model.name, cfg.model.freeze, lora)
 
 
 def training_federation(cfg: Config, fed: FederatedDataset, in_process: bool) -> FederatedDataset:
