@@ -682,7 +682,8 @@ class Config(_Strict):
             )
         if self.server.lora_aggregation != "fedit" and not self.model.lora_rank:
             raise ValueError(
-                f"server.lora_aggregation={self.server.lora_aggregation!r} aggregates LoRA adapters; set model.lora_rank"
+                f"server.lora_aggregation={self.server.lora_aggregation!r} aggregates LoRA adapters; "
+                "set model.lora_rank"
             )
         from fedhet.models.fit import misfit
 

@@ -101,9 +101,7 @@ def cgroup_room() -> int | None:
         return None
 
 
-def check_fits(
-    name: str, counted: tuple[int, int] | None, device: torch.device, trainable: int | None = None
-) -> None:
+def check_fits(name: str, counted: tuple[int, int] | None, device: torch.device, trainable: int | None = None) -> None:
     """A ``ConfigError`` when ``COPIES`` copies of a model (``counted`` by ``count_model``) exceed what ``device``
     has free; of frozen parameters (``trainable``: the bytes of those that train, default all) only the weights."""
     room = available_memory(device)

@@ -46,6 +46,7 @@ def resolve_config(cfg: Config) -> dict[str, Any]:
         fixed = {k: v for k, v in out[section].items() if k not in comp.params()}
         out[section] = {**fixed, "name": entry.name, **params}
     check_aggregation(cfg)
+    check_lora(cfg)
     check_privacy(cfg)
     check_system(cfg)
     check_optimizer(cfg)
@@ -81,6 +82,47 @@ def check_aggregation(cfg: Config) -> None:
         )
     if server.aggregation == "multikrum" and server.multikrum_m is not None and server.multikrum_m > n:
         raise ConfigError(f"server.multikrum_m={server.multikrum_m} exceeds the {n} clients per round")
+
+
+def check_lora(cfg: Config) -> None:
+    """``server.lora_aggregation = "flexlora"`` replaces the adapters' part of a plain weighted average of client
+    models, which the server then takes as it is; an algorithm that splits the model at its head
+    (``Algorithm.head_refusal``) is refused a frozen or adapted head."""
+    model = cfg.model
+    algo = ALGORITHMS.get(cfg.algorithm.name).obj
+    for key, names in (("freeze", model.freeze), ("lora_targets", model.lora_targets)):
+        touched = [n for n in names or [] if n == "head" or n.startswith("head.")] if isinstance(names, list) else []
+        if touched and algo.head_refusal:
+            split = ", ".join(e.name for e in ALGORITHMS.entries() if e.obj.head_refusal)
+            raise ConfigError(
+                f"model.{key} names the head ({touched[0]!r}), and {algo.name} {algo.head_refusal}; leave the head "
+                f"out of model.{key} or choose an algorithm other than {split}"
+            )
+    if cfg.server.lora_aggregation != "flexlora":
+        return
+    server, what = cfg.server, "server.lora_aggregation='flexlora'"
+    entry = ALGORITHMS.get(cfg.algorithm.name)
+    if not entry.obj.accepts_gne():
+        able = [e.name for e in ALGORITHMS.entries() if e.obj.accepts_gne()]
+        raise ConfigError(
+            f"{what} re-factors the weighted average of the client models' adapters, which {entry.name}'s server "
+            f"does not take; algorithms that accept it: {', '.join(able)}"
+        )
+    if server.aggregation != "weights" or server.norm_bound is not None or cfg.privacy.mode == "central":
+        other = (
+            "privacy.mode='central'"
+            if cfg.privacy.mode == "central"
+            else f"server.aggregation={server.aggregation!r}"
+            if server.aggregation != "weights"
+            else "server.norm_bound"
+        )
+        raise ConfigError(f"{what} averages the adapters' products with the algorithm's weights; unset {other}")
+    if server.name != "sgd" or server.params().get("lr", 1.0) != 1.0 or server.mode != "sync":
+        raise ConfigError(
+            f"{what} re-factors the adapters by SVD every round, so their coordinates do not persist from round to "
+            "round for a server optimiser's state or a buffered update; use server.name='sgd' with lr=1 and "
+            "server.mode='sync'"
+        )
 
 
 def check_optimizer(cfg: Config) -> None:
@@ -407,6 +449,11 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
     setup = Setup(fed.num_clients, fed.num_classes, cfg.train, make_model, device, cfg.privacy)
     algo = build_algorithm(cfg, setup)
     attach_privacy(cfg, algo, flat, fed)
+    if cfg.server.lora_aggregation == "flexlora":
+        from fedhet.toolkit.lora import FlexLoraAggregator, lora_pairs
+
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        algo.lora = FlexLoraAggregator(lora_pairs(flat.slices(), shapes))
     algo.init_server(flat.get_params(), flat.get_buffers())
     augment = build_augment(cfg.train.augment, fed.pad_value)
     runner = ClientRunner(
@@ -423,8 +470,8 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
 
 
 def adapt_model(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with ``model.freeze``'s modules frozen and ``model.lora_*``'s adapters added (models/adapt.py); FFA-LoRA
-    (``server.lora_aggregation = "ffa"``) keeps the adapters' A matrices frozen."""
+    """``model`` with ``model.freeze``'s modules frozen and ``model.lora_*``'s adapters added (models/adapt.py);
+    FFA-LoRA (``server.lora_aggregation = "ffa"``) keeps the adapters' A matrices frozen."""
     from fedhet.models.adapt import adapt
 
     lora = cfg.model.lora(train_a=cfg.server.lora_aggregation != "ffa")
