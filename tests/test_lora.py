@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -278,9 +279,12 @@ def test_every_algorithm_runs_with_lora_and_sends_the_trainable_subset(tiny_conf
     sim = Simulation(cfg)
     seen = capture_replies(sim)
     assert sim.run()["status"] == "finished"
-    count = trainable_count(sim)
-    assert all(r["params"].numel() == count for r in seen[0].values())
-    assert json.loads((sim.run_dir / "system_profiles.json").read_text())["model_bytes"] == 4 * count
+    count, full = trainable_count(sim), sum(p.numel() for p in sim.model.parameters())
+    for reply in seen[0].values():  # the model's vectors (params, SCAFFOLD's deltas, FedNova's update) are the subset
+        sizes = [t.numel() for k, t in reply.items() if k != "num_examples"]
+        assert count in sizes and full not in sizes
+    exchanged = count + sim.flat.buffers.numel()  # FedNH's and SphereFed's head buffers travel beside
+    assert json.loads((sim.run_dir / "system_profiles.json").read_text())["model_bytes"] == 4 * exchanged
 
 
 def test_fedbn_and_centralized_take_lora(tiny_config):
@@ -377,3 +381,60 @@ def test_lora_with_the_batched_executor_matches_the_sequential_one(tiny_config):
 def test_build_config_keeps_freeze_lists(tmp_path):
     cfg = build_config({"dataset": {"name": "digits"}, "model": {"name": "mlp", "freeze": ["body.fc1"]}})
     assert cfg.model.freeze == ["body.fc1"] and cfg.model.params() == {}
+
+
+# ----------------------------------------------------------------------------- over Flower
+def flower_run(cfg, nodes, secure=None):
+    pytest.importorskip("flwr")
+    from fedhet.flower.app import RunOptions, run_server
+    from fedhet.flower.client import make_client_app
+    from fedhet.flower.loopback import LoopbackGrid
+
+    grid = LoopbackGrid(make_client_app(lambda _: cfg), nodes)
+    return run_server(grid, cfg, RunOptions(secure_aggregation=secure))
+
+
+def last_params(cfg) -> torch.Tensor:
+    from fedhet.engine.checkpoint import read_checkpoint
+
+    return read_checkpoint(Path(cfg.run.out_dir) / cfg.run.name / "checkpoints" / "last.pt")["algo"]["global_params"]
+
+
+@pytest.mark.slow
+def test_lora_over_flower_matches_the_simulation(tiny_config):
+    # every node rebuilds the frozen weights from the run's seed: the same function as the simulation's model
+    def make(name):
+        return tiny_config(run={"rounds": 2, "name": name}, partition={"num_clients": 4}, model=LORA)
+
+    Simulation(make("local")).run()
+    assert flower_run(make("flower"), {101: {"partition-ids": "0,1"}, 202: {"partition-ids": "2-3"}})["status"] == (
+        "finished"
+    )
+    assert torch.equal(last_params(make("flower")), last_params(make("local")))
+
+
+def test_lora_with_secaggplus_sums_the_trainable_subset(tiny_config):
+    from fedhet.flower.secagg import SecAggSettings
+
+    def make(name):
+        return tiny_config(
+            run={"rounds": 1, "name": name}, partition={"num_clients": 3}, train={"participation": 1.0}, model=LORA
+        )
+
+    nodes = {10 + c: {"partition-id": c} for c in range(3)}
+    flower_run(make("plain"), nodes)
+    assert flower_run(make("secure"), nodes, SecAggSettings())["status"] == "finished"
+    plain, secure = last_params(make("plain")), last_params(make("secure"))
+    assert secure.numel() == 2 * 64 + 32 * 2 + 32 * 10 + 10
+    assert 0 < (secure - plain).abs().max() < 1e-4  # SecAgg+'s quantisation only
+
+
+@pytest.mark.parametrize(
+    "privacy", [{"mode": "central", "noise_multiplier": 0.5, "clip": 1.0}, {"mode": "local", "noise_multiplier": 0.5}]
+)
+def test_dp_clips_the_trainable_subset(tiny_config, privacy):
+    sim = Simulation(tiny_config(run={"rounds": 1}, model=LORA, privacy=privacy))
+    seen = capture_replies(sim)
+    assert sim.run()["status"] == "finished"
+    assert all(r["params"].numel() == trainable_count(sim) for r in seen[0].values())
+    assert torch.isfinite(sim.algo.global_params).all()
