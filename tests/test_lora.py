@@ -18,7 +18,7 @@ from fedhet.errors import ConfigError
 from fedhet.models import build_model
 from fedhet.models.adapt import LoraSpec, adapt
 from fedhet.results.store import read_metrics
-from fedhet.toolkit.lora import fedit, ffa, flexlora, flora_stack
+from fedhet.toolkit.lora import LoraPair, fedit, ffa, flexlora, flora_stack, slot_average, slot_mask
 
 pytest.importorskip("peft")
 
@@ -90,6 +90,33 @@ def test_flexlora_rank_one_error_is_the_second_singular_value_by_hand():
     assert error.item() == pytest.approx(math.sqrt(small), rel=1e-6)  # Eckart-Young: the best rank-1 error
     u, s, vh = torch.linalg.svd(m.double())
     torch.testing.assert_close((new_b @ new_a).double(), s[0] * u[:, :1] @ vh[:1], rtol=1e-6, atol=1e-7)
+
+
+def test_heterogeneous_fedit_averages_each_slot_over_the_clients_that_hold_it():
+    # client 1 has rank 2, client 2 rank 1: slot 0 is averaged over both (0.25, 0.75), slot 1 is client 1's alone
+    a = [torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([[5.0, 6.0], [9.0, 9.0]])]  # client 2's row 1: unused
+    got = slot_average(a, W, [2, 1], 0, current=torch.zeros(2, 2))
+    assert torch.equal(got, torch.tensor([[4.0, 5.0], [3.0, 4.0]]))
+    b = [torch.tensor([[1.0, 2.0], [0.0, 4.0], [4.0, 0.0]]), torch.tensor([[5.0, 9.0], [4.0, 9.0], [0.0, 9.0]])]
+    got = slot_average(b, W, [2, 1], 1, current=torch.zeros(3, 2))
+    assert torch.equal(got, torch.tensor([[4.0, 2.0], [3.0, 4.0], [1.0, 0.0]]))
+    # a slot no client of the round holds keeps the global value
+    kept = slot_average(a, W, [1, 1], 0, current=torch.full((2, 2), 7.0))
+    assert torch.equal(kept[1], torch.tensor([7.0, 7.0]))
+
+
+def test_heterogeneous_flexlora_uses_each_clients_own_slots_only():
+    a = [torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([[1.0, 0.0], [5.0, 5.0]])]
+    b = [torch.tensor([[2.0, 0.0], [0.0, 2.0], [0.0, 0.0]]), torch.tensor([[4.0, 7.0], [0.0, 7.0], [0.0, 7.0]])]
+    new_a, new_b = flexlora(a, b, W, rank=2, ranks=[2, 1])
+    # 0.25 [[2,0],[0,2],[0,0]] + 0.75 [[4,0],[0,0],[0,0]] = [[3.5, 0], [0, 0.5], [0, 0]]
+    torch.testing.assert_close(new_b @ new_a, torch.tensor([[3.5, 0.0], [0.0, 0.5], [0.0, 0.0]]))
+
+
+def test_slot_mask_marks_the_slots_past_a_clients_rank():
+    pairs = [LoraPair("l", slice(0, 6), slice(6, 12), (3, 2), (2, 3))]  # A 3 x 2, B 2 x 3, then a head entry
+    mask = slot_mask(pairs, 13, rank=1)
+    assert mask.tolist() == [False, False, True, True, True, True] + [False, True, True] * 2 + [False]
 
 
 # ----------------------------------------------------------------------------- freezing and adapters
@@ -178,6 +205,12 @@ def test_lora_settings_need_lora_and_the_config_errors_are_one_line(tiny_config)
             "server.lora_aggregation='ffa' aggregates LoRA adapters; set model.lora_rank",
         ),
         ("server", {"lora_aggregation": "flora2"}, "server.lora_aggregation"),
+        (
+            "model",
+            {**LORA, "lora_ranks": [2, 3]},
+            "model.lora_ranks must list client ranks from 1 to model.lora_rank=2",
+        ),
+        ("model", {"lora_ranks": [1]}, "model.lora_ranks applies only with LoRA"),
     ]:
         with pytest.raises(ConfigError) as err:
             tiny_config(**{section: values})
@@ -197,7 +230,8 @@ def test_lora_settings_need_lora_and_the_config_errors_are_one_line(tiny_config)
         ),
         (
             {"algorithm": {"name": "scaffold"}, "model": LORA, "server": {"lora_aggregation": "flexlora"}},
-            "re-factors the weighted average of the client models' adapters, which scaffold's server does not take",
+            "changes how the weighted average of the client models treats their adapters, which scaffold's server "
+            "does not take",
         ),
         (
             {"model": LORA, "server": {"name": "fedadam", "lr": 0.01, "lora_aggregation": "flexlora"}},
@@ -206,6 +240,11 @@ def test_lora_settings_need_lora_and_the_config_errors_are_one_line(tiny_config)
         (
             {"model": LORA, "server": {"aggregation": "median", "lora_aggregation": "flexlora"}},
             "unset server.aggregation='median'",
+        ),
+        (
+            {"algorithm": {"name": "feddyn"}, "model": {**LORA, "lora_ranks": [2, 1]}},
+            "model.lora_ranks changes how the weighted average of the client models treats their adapters, which "
+            "feddyn's server does not take",
         ),
     ],
 )
@@ -438,3 +477,60 @@ def test_dp_clips_the_trainable_subset(tiny_config, privacy):
     assert sim.run()["status"] == "finished"
     assert all(r["params"].numel() == trainable_count(sim) for r in seen[0].values())
     assert torch.isfinite(sim.algo.global_params).all()
+
+
+# ----------------------------------------------------------------------------- heterogeneous ranks
+HETERO = {**LORA, "lora_ranks": [2, 1]}  # even clients rank 2, odd clients rank 1
+
+
+def test_heterogeneous_ranks_train_each_clients_slots_and_average_slot_by_slot(tiny_config):
+    sim = Simulation(tiny_config(run={"rounds": 1}, model=HETERO, train={"participation": 1.0}))
+    start = sim.algo.global_params.clone()
+    seen = capture_replies(sim)
+    sim.run()
+    slices = sim.flat.slices()
+    a_span, b_span = slices["body.fc1.1.lora_A.default.weight"], slices["body.fc1.1.lora_B.default.weight"]
+    replies = seen[0]
+    for cid, r in replies.items():  # a rank-1 client's slot 1 got no gradient: it replies what it received
+        a, a0 = r["params"][a_span].view(2, 64), start[a_span].view(2, 64)
+        assert torch.equal(a[1], a0[1]) == (cid % 2 == 1)
+    held = {cid: r for cid, r in replies.items() if cid % 2 == 0}
+    total = sum(r["num_examples"] for r in held.values())
+    want = sum(r["num_examples"] / total * r["params"][a_span].view(2, 64)[1] for r in held.values())
+    torch.testing.assert_close(sim.algo.global_params[a_span].view(2, 64)[1], want)
+    b = sim.algo.global_params[b_span].view(32, 2)
+    want_b = sum(r["num_examples"] / total * r["params"][b_span].view(32, 2)[:, 1] for r in held.values())
+    torch.testing.assert_close(b[:, 1], want_b)
+
+
+def test_heterogeneous_ranks_move_fewer_bytes_on_the_clock(tiny_config):
+    sim = Simulation(tiny_config(run={"rounds": 1}, model=HETERO, system={"profiles": "constant"}))
+    sim.run()
+    profiles = json.loads((sim.run_dir / "system_profiles.json").read_text())
+    count = trainable_count(sim)
+    assert profiles["model_bytes"] == 4 * count
+    # a rank-1 client leaves row 1 of A (64 entries) and column 1 of B (32 entries)
+    assert [c["model_bytes"] for c in profiles["clients"][:2]] == [4 * count, 4 * (count - 64 - 32)]
+
+
+@pytest.mark.parametrize("aggregation", ["fedit", "flexlora"])
+def test_a_heterogeneous_lora_run_resumes_bit_for_bit(tiny_config, kill_and_resume, aggregation):
+    full, resumed = kill_and_resume(
+        lambda name: tiny_config(
+            run={"name": name, "rounds": 3}, model=HETERO, server={"lora_aggregation": aggregation}
+        )
+    )
+    torch.testing.assert_close(full.algo.global_params, resumed.algo.global_params, rtol=0, atol=0)
+
+
+def test_heterogeneous_ranks_run_with_ffa_and_score_personal_models(tiny_config):
+    sim = Simulation(
+        tiny_config(
+            run={"rounds": 2, "eval_local_models": True},
+            partition={"local_test_fraction": 0.2},
+            model=HETERO,
+            server={"lora_aggregation": "ffa"},
+            algorithm={"name": "ditto"},
+        )
+    )
+    assert sim.run()["status"] == "finished"

@@ -300,14 +300,22 @@ class ModelSection(_Component):
     lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)  # dropout on the adapters' input (peft's lora_dropout)
     # the layers LoRA adapts, by module name (Linear or Conv2d); None: every Linear layer of the model's body
     lora_targets: list[str] | None = None
+    # heterogeneous ranks: client c trains the first lora_ranks[c % len] slots of the rank-lora_rank adapters (the
+    # rest masked off); each at most lora_rank. None: every client trains all lora_rank slots
+    lora_ranks: list[int] | None = None
 
     @model_validator(mode="after")
     def _lora_options_need_lora(self) -> ModelSection:
-        for key in ("lora_alpha", "lora_dropout", "lora_targets"):
+        for key in ("lora_alpha", "lora_dropout", "lora_targets", "lora_ranks"):
             if self.lora_rank == 0 and getattr(self, key) != ModelSection.model_fields[key].default:
                 raise ValueError(f"model.{key} applies only with LoRA: set model.lora_rank > 0")
         if self.lora_targets is not None and not self.lora_targets:
             raise ValueError("model.lora_targets must name at least one layer (unset it for the body's Linear layers)")
+        ranks = self.lora_ranks
+        if ranks is not None and (not ranks or not all(1 <= r <= self.lora_rank for r in ranks)):
+            raise ValueError(
+                f"model.lora_ranks must list client ranks from 1 to model.lora_rank={self.lora_rank} (got {ranks})"
+            )
         if isinstance(self.freeze, list) and not self.freeze:
             raise ValueError('model.freeze must name at least one module, or be "none"')
         return self

@@ -254,14 +254,19 @@ Sample = Callable[[int, list[int], int], list[int]]  # (round, the online client
 class SystemModel:
     """The system model of one run: its clients' profiles and the simulated clock (``time``, checkpointed)."""
 
-    def __init__(self, cfg: Config, sizes: list[int], model_bytes: int, phases: int = 1) -> None:
+    def __init__(
+        self, cfg: Config, sizes: list[int], model_bytes: int, phases: int = 1, client_bytes: list[int] | None = None
+    ) -> None:
         self.cfg, self.system, self.sizes = cfg, cfg.system, sizes
         self.seed, self.model_bytes, self.phases = cfg.run.seed, model_bytes, phases
+        # each client's share where it differs (heterogeneous LoRA ranks move only the client's own slots)
+        self.client_bytes = client_bytes
         self.profiles = draw_profiles(cfg.system, len(sizes), self.seed)
         t = cfg.train
         self.full = [num_local_steps(n, t.batch_size, t.local_epochs, t.local_steps) for n in sizes]
         # moving the model down and up once per phase, for each client
-        self.comm = phases * (2 * model_bytes / self.profiles.bandwidth + self.system.latency)
+        moved = model_bytes if client_bytes is None else np.asarray(client_bytes, dtype=float)
+        self.comm = phases * (2 * moved / self.profiles.bandwidth + self.system.latency)
         offsets = np.random.default_rng(derive_seed(self.seed, PROFILE_STREAM, 1)).random(len(sizes))
         self.day_offsets = offsets  # daily availability: where in its day each client is at time 0
         self.time = 0.0  # simulated seconds at the end of the last finished round
@@ -393,6 +398,8 @@ class SystemModel:
                 client["availability"] = float(profiles.availability[cid])
             if availability == "daily":
                 client["day_offset"] = float(self.day_offsets[cid])
+            if self.client_bytes is not None:
+                client["model_bytes"] = int(self.client_bytes[cid])
             clients.append(client)
         return {
             "profiles": self.system.profiles,
@@ -446,4 +453,11 @@ def build_system(cfg: Config, fed: Any, flat: Any, phases: int) -> SystemModel |
     if not cfg.system.active:
         return None
     sizes = [len(client) for client in fed.clients]
-    return SystemModel(cfg, sizes, model_bytes(flat.params, flat.buffers), phases)
+    total = model_bytes(flat.params, flat.buffers)
+    ranks, client_bytes = cfg.model.lora_ranks, None
+    if ranks is not None:  # a client of rank r moves its first r adapter slots, not the masked ones
+        from fedhet.toolkit.lora import masked_slots
+
+        size = flat.params.element_size()
+        client_bytes = [total - size * masked_slots(flat, ranks[c % len(ranks)]) for c in range(len(sizes))]
+    return SystemModel(cfg, sizes, total, phases, client_bytes)

@@ -98,15 +98,17 @@ def check_lora(cfg: Config) -> None:
                 f"model.{key} names the head ({touched[0]!r}), and {algo.name} {algo.head_refusal}; leave the head "
                 f"out of model.{key} or choose an algorithm other than {split}"
             )
-    if cfg.server.lora_aggregation != "flexlora":
+    flex = cfg.server.lora_aggregation == "flexlora"
+    if not flex and model.lora_ranks is None:
         return
-    server, what = cfg.server, "server.lora_aggregation='flexlora'"
+    server = cfg.server
+    what = "server.lora_aggregation='flexlora'" if flex else "model.lora_ranks"
     entry = ALGORITHMS.get(cfg.algorithm.name)
     if not entry.obj.accepts_gne():
         able = [e.name for e in ALGORITHMS.entries() if e.obj.accepts_gne()]
         raise ConfigError(
-            f"{what} re-factors the weighted average of the client models' adapters, which {entry.name}'s server "
-            f"does not take; algorithms that accept it: {', '.join(able)}"
+            f"{what} changes how the weighted average of the client models treats their adapters, which "
+            f"{entry.name}'s server does not take; algorithms that accept it: {', '.join(able)}"
         )
     if server.aggregation != "weights" or server.norm_bound is not None or cfg.privacy.mode == "central":
         other = (
@@ -117,11 +119,12 @@ def check_lora(cfg: Config) -> None:
             else "server.norm_bound"
         )
         raise ConfigError(f"{what} averages the adapters' products with the algorithm's weights; unset {other}")
-    if server.name != "sgd" or server.params().get("lr", 1.0) != 1.0 or server.mode != "sync":
+    if server.mode != "sync":
+        raise ConfigError(f"{what} needs each round's replies at once; use server.mode='sync'")
+    if flex and (server.name != "sgd" or server.params().get("lr", 1.0) != 1.0):
         raise ConfigError(
             f"{what} re-factors the adapters by SVD every round, so their coordinates do not persist from round to "
-            "round for a server optimiser's state or a buffered update; use server.name='sgd' with lr=1 and "
-            "server.mode='sync'"
+            "round for a server optimiser's state; use server.name='sgd' with lr=1"
         )
 
 
@@ -449,11 +452,10 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
     setup = Setup(fed.num_clients, fed.num_classes, cfg.train, make_model, device, cfg.privacy)
     algo = build_algorithm(cfg, setup)
     attach_privacy(cfg, algo, flat, fed)
-    if cfg.server.lora_aggregation == "flexlora":
-        from fedhet.toolkit.lora import FlexLoraAggregator, lora_pairs
+    if cfg.server.lora_aggregation == "flexlora" or cfg.model.lora_ranks is not None:
+        from fedhet.toolkit.lora import LoraAggregator, model_pairs
 
-        shapes = {n: p.shape for n, p in model.named_parameters()}
-        algo.lora = FlexLoraAggregator(lora_pairs(flat.slices(), shapes))
+        algo.lora = LoraAggregator(cfg.server.lora_aggregation, model_pairs(flat), cfg.model.lora_ranks)
     algo.init_server(flat.get_params(), flat.get_buffers())
     augment = build_augment(cfg.train.augment, fed.pad_value)
     runner = ClientRunner(
@@ -465,6 +467,7 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
         cfg.run.eval_local_models,
         cfg.run.eval_batch_size,
         attack=None if cfg.attack.kind == "none" else Attack(cfg.attack, fed, cfg.run.seed),
+        lora_ranks=cfg.model.lora_ranks,
     )
     return Training(model, flat, setup, algo, runner)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from fedhet.errors import ConfigError
@@ -135,3 +136,21 @@ def add_lora(model: nn.Module, name: str, spec: LoraSpec) -> nn.Module:
 def lora_layers(model: nn.Module) -> list[str]:
     """The names of the layers that carry a LoRA adapter, in module order."""
     return [n for n, m in model.named_modules() if hasattr(m, "lora_A") and ADAPTER in getattr(m, "lora_A", {})]
+
+
+class RankMask:
+    """Heterogeneous LoRA ranks on one model (``model.lora_ranks``): a forward hook on every adapter's A zeroes its
+    outputs from ``rank`` on, so the layer computes ``s B[:, :rank] A[:rank] x``, the truncated adapter, and the
+    slots past ``rank`` get no gradient. ``rank`` None: the whole adapter (the server's model, evaluation)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.rank: int | None = None
+        for layer in lora_layers(model):
+            model.get_submodule(layer).lora_A[ADAPTER].register_forward_hook(self.hook)
+
+    def hook(self, module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor | None:
+        if self.rank is None:
+            return None
+        slots = torch.arange(out.shape[1] if isinstance(module, nn.Conv2d) else out.shape[-1], device=out.device)
+        keep = (slots < self.rank).to(out.dtype)
+        return out * (keep.view(1, -1, 1, 1) if isinstance(module, nn.Conv2d) else keep)
