@@ -294,7 +294,11 @@ def test_nesterov_needs_momentum():
         (["run.foo.bar=1"], "unknown key 'run.foo'; valid keys in [run]: name, seed,"),
         (["foo.bar=1"], "unknown section 'foo'; valid sections: run, dataset, partition, features, model, train,"),
         (["run.seed.x=1"], "run.seed: must be an integer (got {'x': 1})"),
-        (["model.foo=1"], "unknown key 'model.foo' for model 'cnn'; valid keys in [model]: name, head_bias"),
+        (
+            ["model.foo=1"],
+            "unknown key 'model.foo' for model 'cnn'; valid keys in [model]: name, freeze, lora_rank, lora_alpha, "
+            "lora_dropout, lora_targets, lora_ranks, head_bias",
+        ),
         (["dataset.foo=1"], "unknown key 'dataset.foo' for dataset 'fmnist'; valid keys in [dataset]: name, data_dir,"),
         (
             ["partition.num_client=5"],
@@ -307,7 +311,7 @@ def test_nesterov_needs_momentum():
             ["server.foo=1"],
             "unknown key 'server.foo' for server optimiser 'sgd'; valid keys in [server]: name, aggregation, "
             "gne_solver, gne_normalize, gne_jitter, trim_fraction, byzantine, multikrum_m, geomed_iters, geomed_eps, "
-            "norm_bound, mode, buffer_size, concurrency, staleness, staleness_exponent, lr",
+            "norm_bound, mode, buffer_size, concurrency, staleness, staleness_exponent, lora_aggregation, lr",
         ),
         (["dataset.name=tinyimagenet", "dataset.foo=1"], "unknown key 'dataset.foo' for dataset 'tinyimagenet'"),
     ],

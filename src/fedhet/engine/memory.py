@@ -119,19 +119,25 @@ def check_fits(name: str, counted: tuple[int, int] | None, device: torch.device,
     )
 
 
-def check_model_fits(cfg: Config, fed: FederatedDataset, device: torch.device, algo_cls: Any, algo_cfg: Any) -> None:
+def check_model_fits(
+    cfg: Config,
+    fed: FederatedDataset,
+    device: torch.device,
+    algo_cls: Any,
+    algo_cfg: Any,
+    adapt: Callable[[Config, torch.nn.Module], torch.nn.Module] | None = None,
+) -> None:
     """``check_fits`` for the model a run of ``cfg`` on ``fed`` trains, with what its algorithm (``algo_cls`` with
-    its parameters ``algo_cfg``) adds to it."""
+    its parameters ``algo_cfg``) adds to it and what ``adapt`` freezes or adds (``training.adapt_model``)."""
     from fedhet.models import build_model
 
     def plain() -> torch.nn.Module:
         return build_model(cfg.model.name, fed.input_shape, fed.num_classes, **cfg.model.params())
 
     def full() -> torch.nn.Module:
-        from fedhet.engine.training import adapt_model
-
         model = algo_cls.prepare_model(algo_cfg, plain())
-        return adapt_model(cfg, algo_cls.prepare_federated_model(algo_cfg, model, fed.num_clients))
+        model = algo_cls.prepare_federated_model(algo_cfg, model, fed.num_clients)
+        return model if adapt is None else adapt(cfg, model)
 
     counted = count_model(full)
     trainable = trainable_bytes(full) if counted is not None else None

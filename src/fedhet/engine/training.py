@@ -425,7 +425,9 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
     plugins.load(cfg.run.plugins)  # worker processes and Flower nodes start here
     device = torch.device(cfg.run.device)
     algo_cls, algo_cfg = algorithm_config(cfg)
-    check_model_fits(cfg, fed, device, algo_cls, algo_cfg)  # too big for the device: a ConfigError, before allocating
+    check_model_fits(
+        cfg, fed, device, algo_cls, algo_cfg, adapt_model
+    )  # too big for the device: a ConfigError, before allocating
 
     frozen: dict[str, torch.Tensor] = {}
 

@@ -117,7 +117,12 @@ def add_lora(model: nn.Module, name: str, spec: LoraSpec) -> nn.Module:
             )
         if isinstance(layers[target], nn.Conv2d) and layers[target].groups != 1:
             raise ConfigError(f"model.lora_targets: {target!r} is a grouped convolution, which LoRA does not adapt")
-    from peft import LoraConfig, inject_adapter_in_model
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError:
+        raise ConfigError(
+            "model.lora_rank needs the peft package: pip install 'fedhet[pretrained]' (or set model.lora_rank=0)"
+        ) from None
 
     trainable = {n: p.requires_grad for n, p in model.named_parameters()}
     pattern = "^(" + "|".join(t.replace(".", r"\.") for t in chosen) + ")$"
