@@ -281,7 +281,8 @@ def frozen_copy(sim) -> dict[str, torch.Tensor]:
 
 
 def test_linear_probing_trains_the_head_only(tiny_config):
-    sim = Simulation(tiny_config(run={"rounds": 2}, model={"freeze": "body"}, train={"weight_decay": 0.1}))
+    train = {"weight_decay": 0.1, "momentum": 0.9}
+    sim = Simulation(tiny_config(run={"rounds": 2}, model={"freeze": "body"}, train=train))
     before = frozen_copy(sim)
     start = sim.algo.global_params.clone()
     sim.run()
@@ -534,3 +535,30 @@ def test_heterogeneous_ranks_run_with_ffa_and_score_personal_models(tiny_config)
         )
     )
     assert sim.run()["status"] == "finished"
+
+
+@pytest.mark.slow
+def test_lora_in_worker_processes_gives_the_same_bits(tiny_config):
+    # each worker rebuilds the model, its frozen weights and the rank mask from the config
+    params = {}
+    for name, workers in (("local", 1), ("parallel", 2)):
+        cfg = tiny_config(
+            run={"rounds": 2, "name": name, "workers": workers}, model=HETERO, train={"participation": 1.0}
+        )
+        sim = Simulation(cfg)
+        sim.run()
+        params[name] = sim.algo.global_params
+    torch.testing.assert_close(params["local"], params["parallel"], rtol=0, atol=0)
+
+
+def test_lora_under_fedbuff(tiny_config):
+    sim = Simulation(
+        tiny_config(
+            run={"rounds": 3},
+            model=LORA,
+            server={"name": "sgd", "mode": "fedbuff", "buffer_size": 2},
+            system={"profiles": "uniform"},
+        )
+    )
+    assert sim.run()["status"] == "finished"
+    assert sim.algo.global_params.numel() == trainable_count(sim)

@@ -304,6 +304,14 @@ class ModelSection(_Component):
     # rest masked off); each at most lora_rank. None: every client trains all lora_rank slots
     lora_ranks: list[int] | None = None
 
+    @field_validator("freeze", mode="before")
+    @classmethod
+    def _freeze_choice(cls, value: Any) -> Any:
+        # one message for the union (pydantic would word each alternative's failure)
+        if value in ("none", "body") or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            return value
+        raise ValueError('must be "none", "body" or a list of module names such as ["body.fc1"]')
+
     @model_validator(mode="after")
     def _lora_options_need_lora(self) -> ModelSection:
         for key in ("lora_alpha", "lora_dropout", "lora_targets", "lora_ranks"):

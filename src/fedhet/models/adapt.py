@@ -58,9 +58,10 @@ def frozen_modules(model: nn.Module, name: str, freeze: str | list[str]) -> list
     for module_name in names:
         if module_name not in modules or not module_name:
             top = [n for n in modules if n and "." not in n]
+            nested = next((n for n in modules if "." in n), None)
+            example = f" (a submodule is named by its dotted path, e.g. {nested!r})" if nested else ""
             raise ConfigError(
-                f"model.freeze: model {name!r} has no module {module_name!r}; its modules: {', '.join(top)} "
-                f"(a submodule is named by its dotted path, e.g. {next(iter(sorted(modules)[1:]), 'body')!r})"
+                f"model.freeze: model {name!r} has no module {module_name!r}; its modules: {', '.join(top)}{example}"
             )
     return names
 
