@@ -562,3 +562,26 @@ def test_lora_under_fedbuff(tiny_config):
     )
     assert sim.run()["status"] == "finished"
     assert sim.algo.global_params.numel() == trainable_count(sim)
+
+
+def test_ranks_by_device_tier(tiny_config):
+    from fedhet.engine.system import client_lora_ranks, client_tiers
+
+    tiers = [[0.5, 200.0, 2e6], [0.5, 50.0, 5e5]]
+    cfg = tiny_config(
+        run={"rounds": 1},
+        model={**LORA, "lora_ranks": [2, 1], "lora_ranks_by": "tier"},
+        system={"profiles": "tiers", "tiers": tiers},
+    )
+    tier = client_tiers(cfg.system, 6, cfg.run.seed)
+    assert sorted(tier.tolist()) == [0, 0, 0, 1, 1, 1]
+    assert client_lora_ranks(cfg, 6) == [2 if t == 0 else 1 for t in tier]
+    sim = Simulation(cfg)
+    sim.run()
+    profiles = json.loads((sim.run_dir / "system_profiles.json").read_text())
+    count = trainable_count(sim)
+    for c, client in enumerate(profiles["clients"]):  # the slow tier moves the rank-1 share
+        assert client["model_bytes"] == 4 * (count if tier[c] == 0 else count - 64 - 32)
+        assert client["speed"] == tiers[tier[c]][1]
+    with pytest.raises(ConfigError, match="model.lora_ranks_by='tier' gives each device tier a rank"):
+        tiny_config(model={**LORA, "lora_ranks": [2, 1], "lora_ranks_by": "tier"})

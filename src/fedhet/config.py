@@ -303,6 +303,9 @@ class ModelSection(_Component):
     # heterogeneous ranks: client c trains the first lora_ranks[c % len] slots of the rank-lora_rank adapters (the
     # rest masked off); each at most lora_rank. None: every client trains all lora_rank slots
     lora_ranks: list[int] | None = None
+    # how lora_ranks are dealt: "client" (cycled over the client ids) or "tier" (lora_ranks[k] for the clients of
+    # system tier k: system.profiles = "tiers", one rank per tier)
+    lora_ranks_by: Literal["client", "tier"] = "client"
 
     @field_validator("freeze", mode="before")
     @classmethod
@@ -320,6 +323,8 @@ class ModelSection(_Component):
         if self.lora_targets is not None and not self.lora_targets:
             raise ValueError("model.lora_targets must name at least one layer (unset it for the body's Linear layers)")
         ranks = self.lora_ranks
+        if self.lora_ranks_by != "client" and ranks is None:
+            raise ValueError("model.lora_ranks_by applies only with model.lora_ranks")
         if ranks is not None and (not ranks or not all(1 <= r <= self.lora_rank for r in ranks)):
             raise ValueError(
                 f"model.lora_ranks must list client ranks from 1 to model.lora_rank={self.lora_rank} (got {ranks})"
@@ -696,6 +701,14 @@ class Config(_Strict):
             raise ValueError(
                 f"train.clients_per_round={self.train.clients_per_round} exceeds partition.num_clients={n}"
             )
+        if self.model.lora_ranks_by == "tier":
+            tiers = self.system.tiers
+            if self.system.profiles != "tiers" or len(tiers) != len(self.model.lora_ranks or []):
+                raise ValueError(
+                    f"model.lora_ranks_by='tier' gives each device tier a rank: it needs system.profiles='tiers' and "
+                    f"one rank per tier in model.lora_ranks ({len(tiers)} tiers, {len(self.model.lora_ranks or [])} "
+                    "ranks)"
+                )
         if self.server.lora_aggregation != "fedit" and not self.model.lora_rank:
             raise ValueError(
                 f"server.lora_aggregation={self.server.lora_aggregation!r} aggregates LoRA adapters; "

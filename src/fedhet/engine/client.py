@@ -59,7 +59,7 @@ class ClientRunner:
         self.local_diagnostics = local_diagnostics
         self.eval_batch_size = eval_batch_size
         self.attack = attack  # [attack]: what this run's malicious clients do to their batches and replies
-        # model.lora_ranks: client c trains (and is scored with) the first lora_ranks[c % len] adapter slots
+        # model.lora_ranks: client c trains (and is scored with) the first lora_ranks[c] adapter slots (one per client)
         self.lora_ranks = lora_ranks
         self.rank_mask = None
         if lora_ranks is not None:
@@ -107,7 +107,7 @@ class ClientRunner:
         if self.rank_mask is None:
             yield
             return
-        self.rank_mask.rank = self.lora_ranks[cid % len(self.lora_ranks)]
+        self.rank_mask.rank = self.lora_ranks[cid]
         try:
             yield
         finally:

@@ -26,6 +26,7 @@ from fedhet.data.types import ArrayDataset
 from fedhet.engine.attack import Attack
 from fedhet.engine.buffered import check_fedbuff
 from fedhet.engine.client import ClientRunner
+from fedhet.engine.system import client_lora_ranks
 from fedhet.errors import ConfigError
 from fedhet.toolkit.flat import FlatModel
 from fedhet.toolkit.local import derive_seed, num_local_steps
@@ -454,10 +455,11 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
     setup = Setup(fed.num_clients, fed.num_classes, cfg.train, make_model, device, cfg.privacy)
     algo = build_algorithm(cfg, setup)
     attach_privacy(cfg, algo, flat, fed)
-    if cfg.server.lora_aggregation == "flexlora" or cfg.model.lora_ranks is not None:
+    ranks = client_lora_ranks(cfg, cfg.partition.num_clients)  # by global client id, on a Flower node too
+    if cfg.server.lora_aggregation == "flexlora" or ranks is not None:
         from fedhet.toolkit.lora import LoraAggregator, model_pairs
 
-        algo.lora = LoraAggregator(cfg.server.lora_aggregation, model_pairs(flat), cfg.model.lora_ranks)
+        algo.lora = LoraAggregator(cfg.server.lora_aggregation, model_pairs(flat), ranks)
     algo.init_server(flat.get_params(), flat.get_buffers())
     augment = build_augment(cfg.train.augment, fed.pad_value)
     runner = ClientRunner(
@@ -469,7 +471,7 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
         cfg.run.eval_local_models,
         cfg.run.eval_batch_size,
         attack=None if cfg.attack.kind == "none" else Attack(cfg.attack, fed, cfg.run.seed),
-        lora_ranks=cfg.model.lora_ranks,
+        lora_ranks=ranks,
     )
     return Training(model, flat, setup, algo, runner)
 

@@ -129,14 +129,14 @@ def masked_slots(flat, rank: int) -> int:
 
 class LoraAggregator:
     """The server half of the LoRA rules that change the weighted average: ``flexlora``, and with heterogeneous ranks
-    (``ranks``: client c has rank ``ranks[c % len(ranks)]``) ``fedit`` and ``ffa`` too. In the target the algorithm's
+    (``ranks``: client c has rank ``ranks[c]``) ``fedit`` and ``ffa`` too. In the target the algorithm's
     weighted average formed, each adapter pair is replaced by the rule's value; the rest of the model keeps it."""
 
     def __init__(self, rule: str, pairs: list[LoraPair], ranks: list[int] | None = None) -> None:
         self.rule, self.pairs, self.ranks = rule, pairs, ranks
 
     def rank_of(self, cid: int) -> int | None:
-        return None if self.ranks is None else self.ranks[cid % len(self.ranks)]
+        return None if self.ranks is None else self.ranks[cid]
 
     def target(
         self,
