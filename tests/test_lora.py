@@ -441,10 +441,12 @@ def last_params(cfg) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_lora_over_flower_matches_the_simulation(tiny_config):
-    # every node rebuilds the frozen weights from the run's seed: the same function as the simulation's model
+@pytest.mark.parametrize("model", [LORA, {**LORA, "lora_ranks": [2, 1]}], ids=["lora", "ranks"])
+def test_lora_over_flower_matches_the_simulation(tiny_config, model):
+    # every node rebuilds the frozen weights from the run's seed (and each client's rank from its global id): the
+    # same function as the simulation's model
     def make(name):
-        return tiny_config(run={"rounds": 2, "name": name}, partition={"num_clients": 4}, model=LORA)
+        return tiny_config(run={"rounds": 2, "name": name}, partition={"num_clients": 4}, model=model)
 
     Simulation(make("local")).run()
     assert flower_run(make("flower"), {101: {"partition-ids": "0,1"}, 202: {"partition-ids": "2-3"}})["status"] == (
