@@ -587,3 +587,26 @@ def test_ranks_by_device_tier(tiny_config):
         assert client["speed"] == tiers[tier[c]][1]
     with pytest.raises(ConfigError, match="model.lora_ranks_by='tier' gives each device tier a rank"):
         tiny_config(model={**LORA, "lora_ranks": [2, 1], "lora_ranks_by": "tier"})
+
+
+def test_the_rank_mask_truncates_linear_and_conv_adapters():
+    from fedhet.models.adapt import RankMask
+
+    model = build_model("cnn_bn", (1, 8, 8), 10, channels=[4, 4, 8], hidden=[16])
+    model = adapt(model, "cnn_bn", lora=LoraSpec(2, 2.0, targets=("body.conv1.0", "body.fc1.1"))).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_()
+    x = torch.randn(3, 1, 8, 8)
+    mask = RankMask(model)
+    whole = model(x)
+    mask.rank = 1
+    masked = model(x)
+    with torch.no_grad():  # the same as zeroing slot 1 of every adapter
+        for name, p in model.named_parameters():
+            if "lora_A" in name:
+                p[1:] = 0
+    mask.rank = None
+    torch.testing.assert_close(masked, model(x))
+    assert not torch.allclose(whole, masked)

@@ -86,9 +86,10 @@ def check_aggregation(cfg: Config) -> None:
 
 
 def check_lora(cfg: Config) -> None:
-    """``server.lora_aggregation = "flexlora"`` replaces the adapters' part of a plain weighted average of client
-    models, which the server then takes as it is; an algorithm that splits the model at its head
-    (``Algorithm.head_refusal``) is refused a frozen or adapted head."""
+    """An algorithm that splits the model at its head (``Algorithm.head_refusal``) is refused a frozen or adapted
+    head. ``server.lora_aggregation = "flexlora"`` and heterogeneous ranks (``model.lora_ranks``) replace the
+    adapters' part of a plain weighted average of client models (``Algorithm.lora``), so they need one, formed from
+    every reply of a synchronous round; FlexLoRA's SVD factors also need the server to take that target as it is."""
     model = cfg.model
     algo = ALGORITHMS.get(cfg.algorithm.name).obj
     for key, names in (("freeze", model.freeze), ("lora_targets", model.lora_targets)):
@@ -119,7 +120,9 @@ def check_lora(cfg: Config) -> None:
             if server.aggregation != "weights"
             else "server.norm_bound"
         )
-        raise ConfigError(f"{what} averages the adapters' products with the algorithm's weights; unset {other}")
+        raise ConfigError(
+            f"{what} forms the adapters from each client's own with the algorithm's weights; unset {other}"
+        )
     if server.mode != "sync":
         raise ConfigError(f"{what} needs each round's replies at once; use server.mode='sync'")
     if flex and (server.name != "sgd" or server.params().get("lr", 1.0) != 1.0):
@@ -426,9 +429,8 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
     plugins.load(cfg.run.plugins)  # worker processes and Flower nodes start here
     device = torch.device(cfg.run.device)
     algo_cls, algo_cfg = algorithm_config(cfg)
-    check_model_fits(
-        cfg, fed, device, algo_cls, algo_cfg, adapt_model
-    )  # too big for the device: a ConfigError, before allocating
+    # too big for the device: a ConfigError, before allocating
+    check_model_fits(cfg, fed, device, algo_cls, algo_cfg, adapt_model)
 
     frozen: dict[str, torch.Tensor] = {}
 

@@ -157,6 +157,8 @@ class RankMask:
     def hook(self, module: nn.Module, inputs: tuple, out: torch.Tensor) -> torch.Tensor | None:
         if self.rank is None:
             return None
-        slots = torch.arange(out.shape[1] if isinstance(module, nn.Conv2d) else out.shape[-1], device=out.device)
+        conv = isinstance(module, nn.Conv2d)
+        slots = torch.arange(module.out_channels if conv else module.out_features, device=out.device)
         keep = (slots < self.rank).to(out.dtype)
-        return out * (keep.view(1, -1, 1, 1) if isinstance(module, nn.Conv2d) else keep)
+        # the slot axis: a Conv2d's channels (before height and width), a Linear's last; also per sample under vmap
+        return out * (keep.view(-1, 1, 1) if conv else keep)
