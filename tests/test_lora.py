@@ -471,11 +471,16 @@ def test_lora_with_secaggplus_sums_the_trainable_subset(tiny_config):
     assert 0 < (secure - plain).abs().max() < 1e-4  # SecAgg+'s quantisation only
 
 
+CENTRAL = {"mode": "central", "noise_multiplier": 0.5, "clip": 1.0}
+LOCAL = {"mode": "local", "noise_multiplier": 0.5}
+
+
+# heterogeneous ranks refuse central DP (their slot averages are not DP-FedAvg's clipped mean)
 @pytest.mark.parametrize(
-    "privacy", [{"mode": "central", "noise_multiplier": 0.5, "clip": 1.0}, {"mode": "local", "noise_multiplier": 0.5}]
+    ("privacy", "model"), [(CENTRAL, LORA), (LOCAL, LORA), (LOCAL, {**LORA, "lora_ranks": [2, 1]})]
 )
-def test_dp_clips_the_trainable_subset(tiny_config, privacy):
-    sim = Simulation(tiny_config(run={"rounds": 1}, model=LORA, privacy=privacy))
+def test_dp_clips_the_trainable_subset(tiny_config, privacy, model):
+    sim = Simulation(tiny_config(run={"rounds": 1}, model=model, privacy=privacy))
     seen = capture_replies(sim)
     assert sim.run()["status"] == "finished"
     assert all(r["params"].numel() == trainable_count(sim) for r in seen[0].values())
