@@ -242,6 +242,11 @@ def test_lora_settings_need_lora_and_the_config_errors_are_one_line(tiny_config)
             "unset server.aggregation='median'",
         ),
         (
+            {"model": {**LORA, "lora_ranks": [2, 1]}, "privacy": {"mode": "central", "noise_multiplier": 0.5}},
+            "model.lora_ranks forms the adapters from each client's own with the algorithm's weights; unset "
+            "privacy.mode='central'",
+        ),
+        (
             {"algorithm": {"name": "feddyn"}, "model": {**LORA, "lora_ranks": [2, 1]}},
             "model.lora_ranks changes how the weighted average of the client models treats their adapters, which "
             "feddyn's server does not take",
