@@ -297,7 +297,7 @@ def test_nesterov_needs_momentum():
         (
             ["model.foo=1"],
             "unknown key 'model.foo' for model 'cnn'; valid keys in [model]: name, freeze, lora_rank, lora_alpha, "
-            "lora_dropout, lora_targets, lora_ranks, head_bias",
+            "lora_dropout, lora_targets, lora_ranks, lora_ranks_by, head_bias",
         ),
         (["dataset.foo=1"], "unknown key 'dataset.foo' for dataset 'fmnist'; valid keys in [dataset]: name, data_dir,"),
         (
