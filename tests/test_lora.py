@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,8 @@ from fedhet.models.adapt import LoraSpec, adapt
 from fedhet.results.store import read_metrics
 from fedhet.toolkit.lora import LoraPair, fedit, ffa, flexlora, flora_stack, slot_average, slot_mask
 
-pytest.importorskip("peft")
+# find_spec, not importorskip: peft (with transformers) is slow to import, and only the tests that build adapters do
+pytestmark = pytest.mark.skipif(find_spec("peft") is None, reason="LoRA needs peft: pip install 'fedhet[pretrained]'")
 
 LORA = {"name": "mlp", "hidden": [32], "lora_rank": 2}
 W = [0.25, 0.75]
