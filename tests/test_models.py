@@ -124,7 +124,7 @@ def test_every_model_has_a_summary_and_params():
 @pytest.mark.parametrize(
     "name,shape,params,message",
     [
-        ("mlp", (60,), {"hiden": [10]}, "valid keys in [model]: name, init, replace_head, hidden, dropout"),
+        ("mlp", (60,), {"hiden": [10]}, "lora_ranks_by, hidden, dropout; did you mean 'model.hidden'?"),
         ("lenet5", (3, 32, 32), {"head_bias": False}, "unknown key 'model.head_bias' for model 'lenet5'"),
         ("mlp", (60,), {"dropout": 1.5}, "dropout: must be less than 1 (got 1.5)"),
         ("convnet", (1, 28, 28), {"channels": [8]}, "channels.1:"),

@@ -13,13 +13,16 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from fedhet.errors import ConfigError, suggestion
 from fedhet.params import Params, Seed, problem, shown
 from fedhet.registry import section_keys
+
+if TYPE_CHECKING:
+    from fedhet.models.adapt import LoraSpec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -309,6 +312,59 @@ class ModelSection(_Component):
             )
         return self
 
+    # what does not train (docs/pretrained.md): "none" (full training), "body" (linear probing: only the head and
+    # any LoRA adapters train) or a list of module names (e.g. ["body.conv1", "body.conv2"]); a frozen parameter gets
+    # no gradient, weight decay or momentum, never travels and is never aggregated
+    freeze: Literal["none", "body"] | list[str] = "none"
+    # LoRA (Hu et al. 2022, through peft): the adapters' rank r; 0 = no LoRA. The adapted layers' own weights freeze
+    lora_rank: int = Field(0, ge=0)
+    lora_alpha: float | None = Field(None, gt=0.0)  # the update is scaled by alpha / r; None: alpha = r (scale 1)
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)  # dropout on the adapters' input (peft's lora_dropout)
+    # the layers LoRA adapts, by module name (Linear or Conv2d); None: every Linear layer of the model's body
+    lora_targets: list[str] | None = None
+    # heterogeneous ranks: client c trains the first lora_ranks[c % len] slots of the rank-lora_rank adapters (the
+    # rest masked off); each at most lora_rank. None: every client trains all lora_rank slots
+    lora_ranks: list[int] | None = None
+    # how lora_ranks are dealt: "client" (cycled over the client ids) or "tier" (lora_ranks[k] for the clients of
+    # system tier k: system.profiles = "tiers", one rank per tier)
+    lora_ranks_by: Literal["client", "tier"] = "client"
+
+    @field_validator("freeze", mode="before")
+    @classmethod
+    def _freeze_choice(cls, value: Any) -> Any:
+        # one message for the union (pydantic would word each alternative's failure)
+        if value in ("none", "body") or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            return value
+        raise ValueError('must be "none", "body" or a list of module names such as ["body.fc1"]')
+
+    @model_validator(mode="after")
+    def _lora_options_need_lora(self) -> ModelSection:
+        for key in ("lora_alpha", "lora_dropout", "lora_targets", "lora_ranks"):
+            if self.lora_rank == 0 and getattr(self, key) != ModelSection.model_fields[key].default:
+                raise ValueError(f"model.{key} applies only with LoRA: set model.lora_rank > 0")
+        if self.lora_targets is not None and not self.lora_targets:
+            raise ValueError("model.lora_targets must name at least one layer (unset it for the body's Linear layers)")
+        ranks = self.lora_ranks
+        if self.lora_ranks_by != "client" and ranks is None:
+            raise ValueError("model.lora_ranks_by applies only with model.lora_ranks")
+        if ranks is not None and (not ranks or not all(1 <= r <= self.lora_rank for r in ranks)):
+            raise ValueError(
+                f"model.lora_ranks must list client ranks from 1 to model.lora_rank={self.lora_rank} (got {ranks})"
+            )
+        if isinstance(self.freeze, list) and not self.freeze:
+            raise ValueError('model.freeze must name at least one module, or be "none"')
+        return self
+
+    def lora(self, train_a: bool = True) -> LoraSpec | None:
+        """LoRA's settings, or None without LoRA; ``train_a`` False under FFA-LoRA (server.lora_aggregation)."""
+        from fedhet.models.adapt import LoraSpec
+
+        if not self.lora_rank:
+            return None
+        alpha = float(self.lora_rank) if self.lora_alpha is None else self.lora_alpha
+        targets = None if self.lora_targets is None else tuple(self.lora_targets)
+        return LoraSpec(self.lora_rank, alpha, self.lora_dropout, targets, train_a)
+
 
 class AlgorithmSection(_Component):
     name: str = "fedavg"  # fedhet list algorithms
@@ -350,6 +406,11 @@ class ServerSection(_Component):
     # choice with a = 0.5, or "constant" 1
     staleness: Literal["polynomial", "constant"] = "polynomial"
     staleness_exponent: float = Field(0.5, gt=0.0)  # fedbuff: a in the polynomial weight (the paper's 0.5)
+    # how the server aggregates LoRA adapters (model.lora_rank > 0; docs/pretrained.md): "fedit" averages A and B
+    # separately like any parameter (FedIT, Zhang et al. 2024); "ffa" keeps every A at its initialisation and
+    # averages B (FFA-LoRA, Sun et al. 2024); "flexlora" averages the products B A and splits the average back into
+    # rank-r factors by truncated SVD (FlexLoRA, Bai et al. 2024)
+    lora_aggregation: Literal["fedit", "ffa", "flexlora"] = "fedit"
 
     @model_validator(mode="after")
     def _fedbuff_options_need_fedbuff(self) -> ServerSection:
@@ -681,6 +742,19 @@ class Config(_Strict):
         if self.train.clients_per_round is not None and self.train.clients_per_round > n:
             raise ValueError(
                 f"train.clients_per_round={self.train.clients_per_round} exceeds partition.num_clients={n}"
+            )
+        if self.model.lora_ranks_by == "tier":
+            tiers = self.system.tiers
+            if self.system.profiles != "tiers" or len(tiers) != len(self.model.lora_ranks or []):
+                raise ValueError(
+                    f"model.lora_ranks_by='tier' gives each device tier a rank: it needs system.profiles='tiers' and "
+                    f"one rank per tier in model.lora_ranks ({len(tiers)} tiers, {len(self.model.lora_ranks or [])} "
+                    "ranks)"
+                )
+        if self.server.lora_aggregation != "fedit" and not self.model.lora_rank:
+            raise ValueError(
+                f"server.lora_aggregation={self.server.lora_aggregation!r} aggregates LoRA adapters; "
+                "set model.lora_rank"
             )
         from fedhet.models.fit import misfit
 

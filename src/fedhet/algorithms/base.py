@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from fedhet.algorithms.robust import RobustAggregator
     from fedhet.config import TrainSection
     from fedhet.models.base import FedModel
+    from fedhet.toolkit.lora import LoraAggregator
 
 ALGORITHMS = Registry("algorithm", section="algorithm")
 
@@ -88,10 +89,15 @@ class Algorithm:
         # indices into the flat buffer vector of the buffers that stay on each client and that the server never
         # moves (FedBN: every BatchNorm layer's statistics); None: every buffer is averaged (the default rule)
         self.kept_buffers: torch.Tensor | None = None
+        # server.lora_aggregation = "flexlora" or heterogeneous LoRA ranks: the adapters' rule (toolkit/lora.py)
+        self.lora: LoraAggregator | None = None
 
     # Why this method's math holds for SGD local steps only (its server reads a client's update as gradient steps of
     # size lr), completing "<name> ...": ``train.optimizer = adam | adamw`` is refused with it. Inherited.
     sgd_only: ClassVar[str | None] = None
+    # Why this method needs the model's own head to train as it is, completing "<name> ...": a run whose
+    # ``model.freeze`` or ``model.lora_targets`` names the head is refused with it. Inherited.
+    head_refusal: ClassVar[str | None] = None
 
     @classmethod
     def optimizer_refusal(cls, config: AlgoConfig, train: TrainSection) -> str | None:
@@ -182,6 +188,8 @@ class Algorithm:
             return self.global_params + self.privacy.mean([p - self.global_params for p in params])
         if self.robust is not None:
             return self.robust.target(self.global_params, params, weights, self.average)
+        if self.lora is not None:
+            return self.lora.target(self.average(params, weights), params, weights, list(replies), self.global_params)
         return self.average(params, weights)
 
     def average(self, params: list[torch.Tensor], weights: list[float]) -> torch.Tensor:

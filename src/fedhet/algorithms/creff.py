@@ -180,6 +180,7 @@ REAL_STREAM, ROUND_STREAM, FEATURE_STREAM = 0xC3EF, 0x5E4F, 0xFEA7
 )
 class CReFF(FedAvg):
     name = "creff"
+    head_refusal = "re-trains the head on the server from federated features, so the head must train"
     Config = CReFFConfig
     unbatchable_reason = "after_local computes per-class gradients of the trained model through ctx.model"
 

@@ -82,6 +82,9 @@ class FedBABUConfig(FedAvgConfig):  # weighting "samples": PFLlib's aggregation 
 )
 class FedBABU(KeptSlice, FedAvg):
     name = "fedbabu"
+    head_refusal = (
+        "freezes the head itself (the last layer that trains) and fine-tunes it to personalise, so the head must train"
+    )
     Config = FedBABUConfig
     personalized = True
     batchable = True  # default loss, hooks on the flat vectors and the scratch only (engine/batched.py)

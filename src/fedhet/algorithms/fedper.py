@@ -69,6 +69,10 @@ class FedPerConfig(FedAvgConfig):  # weighting "samples": PFLlib's aggregation (
 )
 class FedPer(KeptSlice, FedAvg):
     name = "fedper"
+    head_refusal = (
+        "keeps its personalisation layers, the last layers that train, on each client; with the head frozen "
+        "they would be body layers"
+    )
     Config = FedPerConfig
     personalized = True
     batchable = True  # default loss, hooks on the flat vectors and the state only (engine/batched.py)

@@ -106,6 +106,9 @@ def label_distribution(counts: torch.Tensor) -> torch.Tensor:
 )
 class FedRoD(FedAvg):
     name = "fedrod"
+    head_refusal = (
+        "splits the model at its head (a generic head and each client's personal one), so the head must train"
+    )
     Config = FedRoDConfig
     # the label statistics are per-client inputs, P's own step runs on the flat vectors (algorithms/functional.py)
     batchable = True

@@ -141,6 +141,8 @@ def model_unbatchable(flat: FlatModel) -> str | None:
 def runner_unbatchable(runner: ClientRunner, phase: str | None = None) -> str | None:
     if runner.local_diagnostics:
         return "run.eval_local_models evaluates each client's local model"
+    if runner.lora_ranks is not None:
+        return "model.lora_ranks gives each client its own adapter rank, a mask the shared model cannot vary per row"
     if runner.attack is not None:
         return "[attack] changes the malicious clients' batches or replies in the sequential client runner"
     privacy = getattr(runner.algo.setup, "privacy", None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import traceback
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -46,6 +47,7 @@ class ClientRunner:
         local_diagnostics: bool = False,
         eval_batch_size: int = 1024,
         attack: Attack | None = None,
+        lora_ranks: list[int] | None = None,
     ) -> None:
         self.algo = algo
         self.flat = flat
@@ -57,6 +59,13 @@ class ClientRunner:
         self.local_diagnostics = local_diagnostics
         self.eval_batch_size = eval_batch_size
         self.attack = attack  # [attack]: what this run's malicious clients do to their batches and replies
+        # model.lora_ranks: client c trains (and is scored with) the first lora_ranks[c] adapter slots (one per client)
+        self.lora_ranks = lora_ranks
+        self.rank_mask = None
+        if lora_ranks is not None:
+            from fedhet.models.adapt import RankMask
+
+            self.rank_mask = RankMask(self.model)
 
     def context(
         self, cid: int, rnd: int, phase_idx: int, phase: str, msg: Message, data: ClientData, state: State
@@ -82,19 +91,39 @@ class ClientRunner:
         self, cid: int, rnd: int, phase_idx: int, phase: str, msg: Message, data: ClientData, state: State
     ) -> tuple[Reply, State]:
         ctx = self.context(cid, rnd, phase_idx, phase, msg, data, state)
-        reply = self.algo.client_update(ctx)
-        if self.attack is not None and phase == self.algo.local_model_phase:
-            self.attack.corrupt(cid, rnd, phase_idx, msg, reply)
-        if self.local_diagnostics and phase == self.algo.local_model_phase:
-            self.diagnose(reply, data)
+        with self.client_rank(cid):
+            reply = self.algo.client_update(ctx)
+            if self.attack is not None and phase == self.algo.local_model_phase:
+                self.attack.corrupt(cid, rnd, phase_idx, msg, reply)
+            if self.local_diagnostics and phase == self.algo.local_model_phase:
+                self.diagnose(reply, data)
         check_finite(reply, ctx.state)
         return reply, ctx.state
+
+    @contextmanager
+    def client_rank(self, cid: int):
+        """The model at client ``cid``'s LoRA rank (``model.lora_ranks``) inside the block, whole again after it (the
+        server evaluates the whole adapters on the same model object in the simulation)."""
+        if self.rank_mask is None:
+            yield
+            return
+        self.rank_mask.rank = self.lora_ranks[cid]
+        try:
+            yield
+        finally:
+            self.rank_mask.rank = None
 
     def diagnose(self, reply: Reply, data: ClientData) -> None:
         """Attach the model local training left (FedACD's Table 3 evaluates it on the test set, server side) and
         its KL(P^m || Q) on the client's own training data (Table 9: any algorithm's local models). A clean eval-mode
         pass: it draws no random number, so the run's results are the same with or without it."""
         reply.tensors[LOCAL_PARAMS] = self.flat.get_params()
+        if self.rank_mask is not None and self.rank_mask.rank is not None:
+            # the server scores it with the whole adapters: the slots past the client's rank are zero there
+            from fedhet.toolkit.lora import model_pairs, slot_mask
+
+            masked = slot_mask(model_pairs(self.flat), self.flat.num_params, self.rank_mask.rank)
+            reply.tensors[LOCAL_PARAMS][masked.to(self.flat.params.device)] = 0.0
         if self.flat.buffers.numel():
             reply.tensors[LOCAL_BUFFERS] = self.flat.get_buffers()
         if len(data.y):
@@ -109,14 +138,15 @@ class ClientRunner:
         if data.y_test is None or len(data.y_test) == 0:
             return None
         ctx = self.context(cid, rnd, 0xE7A1, "personalize", msg, data, state)
-        personal = self.algo.personalize(ctx)
-        if personal is None:
-            return None
-        self.flat.set_params(personal)
-        buffers = self.algo.personal_buffers(ctx)  # the global ones or the client's own: never a previous client's
-        if buffers is not None:
-            self.flat.set_buffers(buffers)
-        stats = evaluate(self.model, data.x_test, data.y_test, data.num_classes, batch_size)
+        with self.client_rank(cid):
+            personal = self.algo.personalize(ctx)
+            if personal is None:
+                return None
+            self.flat.set_params(personal)
+            buffers = self.algo.personal_buffers(ctx)  # the global ones or the client's own, never another client's
+            if buffers is not None:
+                self.flat.set_buffers(buffers)
+            stats = evaluate(self.model, data.x_test, data.y_test, data.num_classes, batch_size)
         return int(round(stats.correct.sum())), stats.n
 
 

@@ -138,7 +138,7 @@ def safetensors_tensors(data: bytes, what: str) -> dict[str, Tensor]:
         from safetensors.torch import load
     except ImportError:
         raise ConfigError(
-            f"{what} is a .safetensors file, which needs safetensors: pip install 'fedhet[transformers]'"
+            f"{what} is a .safetensors file, which needs safetensors: pip install 'fedhet[pretrained]'"
         ) from None
     try:
         return load(data)

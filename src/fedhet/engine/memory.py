@@ -43,6 +43,16 @@ def count_model(build: Callable[[], torch.nn.Module]) -> tuple[int, int] | None:
     return sum(p.numel() for p in params), sum(t.numel() * t.element_size() for t in tensors)
 
 
+def trainable_bytes(build: Callable[[], torch.nn.Module]) -> int | None:
+    """Bytes of the parameters of ``build()``'s model that train (frozen ones have no gradient or server copy)."""
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = build()
+    except Exception:
+        return None
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
 def available_memory(device: torch.device) -> tuple[int, str] | None:
     """(bytes free, where that figure comes from) on ``device``; None where it cannot be told (MPS, no /proc)."""
     if device.type == "cuda":
@@ -56,27 +66,34 @@ def available_memory(device: torch.device) -> tuple[int, str] | None:
     return host_memory()
 
 
-def check_fits(name: str, counted: tuple[int, int] | None, device: torch.device) -> None:
+def check_fits(name: str, counted: tuple[int, int] | None, device: torch.device, trainable: int | None = None) -> None:
     """A ``ConfigError`` when ``COPIES`` copies of a model (``counted`` by ``count_model``) exceed what ``device``
-    has free."""
+    has free; of frozen parameters (``trainable``: the bytes of those that train, default all) only the weights."""
     room = available_memory(device)
     if counted is None or room is None:
         return
     params, size = counted
     free, where = room
-    need = COPIES * size
+    need = size + (COPIES - 1) * (size if trainable is None else trainable)
     if need <= free:
         return
     raise ConfigError(
         f"model {name!r} has {params:,} parameters ({size_text(size)}); training holds at least {COPIES} copies of "
-        f"them (weights, gradients, the server's copy: {size_text(need)}), but {device} has {size_text(free)} "
-        f"{where}: choose a smaller model (model.* settings) or a device with more memory"
+        f"those that train (weights, gradients, the server's copy: {size_text(need)}), but {device} has "
+        f"{size_text(free)} {where}: choose a smaller model (model.* settings) or a device with more memory"
     )
 
 
-def check_model_fits(cfg: Config, fed: FederatedDataset, device: torch.device, algo_cls: Any, algo_cfg: Any) -> None:
+def check_model_fits(
+    cfg: Config,
+    fed: FederatedDataset,
+    device: torch.device,
+    algo_cls: Any,
+    algo_cfg: Any,
+    adapt: Callable[[Config, torch.nn.Module], torch.nn.Module] | None = None,
+) -> None:
     """``check_fits`` for the model a run of ``cfg`` on ``fed`` trains, with what its algorithm (``algo_cls`` with
-    its parameters ``algo_cfg``) adds to it."""
+    its parameters ``algo_cfg``) adds to it and what ``adapt`` freezes or adds (``training.adapt_model``)."""
     from fedhet.models import build_model
 
     def plain() -> torch.nn.Module:
@@ -84,6 +101,9 @@ def check_model_fits(cfg: Config, fed: FederatedDataset, device: torch.device, a
 
     def full() -> torch.nn.Module:
         model = algo_cls.prepare_model(algo_cfg, plain())
-        return algo_cls.prepare_federated_model(algo_cfg, model, fed.num_clients)
+        model = algo_cls.prepare_federated_model(algo_cfg, model, fed.num_clients)
+        return model if adapt is None else adapt(cfg, model)
 
-    check_fits(cfg.model.name, count_model(full) or count_model(plain), device)
+    counted = count_model(full)
+    trainable = trainable_bytes(full) if counted is not None else None
+    check_fits(cfg.model.name, counted or count_model(plain), device, trainable)

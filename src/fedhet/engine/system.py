@@ -96,15 +96,33 @@ def draw_profiles(system: SystemSection, num_clients: int, seed: int) -> Profile
                 system.speed * np.exp(system.spread * rng.standard_normal(num_clients)),
                 system.bandwidth * np.exp(system.spread * rng.standard_normal(num_clients)),
             )
-    # tiers: a seeded shuffle of the clients, cut by the tiers' shares (rounded; the last tier takes the rest)
-    order = rng.permutation(num_clients)
-    speed, bandwidth = np.empty(num_clients), np.empty(num_clients)
+    tier = client_tiers(system, num_clients, seed)
+    speeds, bandwidths = np.array([t[1] for t in system.tiers]), np.array([t[2] for t in system.tiers])
+    return Profiles(speeds[tier].astype(float), bandwidths[tier].astype(float))
+
+
+def client_tiers(system: SystemSection, num_clients: int, seed: int) -> np.ndarray:
+    """Each client's device tier (``system.profiles = "tiers"``): a seeded shuffle of the clients, cut by the tiers'
+    shares (rounded; the last tier takes the rest)."""
+    order = np.random.default_rng(derive_seed(seed, PROFILE_STREAM)).permutation(num_clients)
+    tier = np.empty(num_clients, dtype=np.int64)
     start = 0
-    for i, (share, tier_speed, tier_bandwidth) in enumerate(system.tiers):
+    for i, (share, _speed, _bandwidth) in enumerate(system.tiers):
         end = num_clients if i == len(system.tiers) - 1 else min(num_clients, start + round(share * num_clients))
-        speed[order[start:end]], bandwidth[order[start:end]] = tier_speed, tier_bandwidth
+        tier[order[start:end]] = i
         start = end
-    return Profiles(speed, bandwidth)
+    return tier
+
+
+def client_lora_ranks(cfg: Config, num_clients: int) -> list[int] | None:
+    """Each client's LoRA rank (``model.lora_ranks``): cycled over the client ids, or by device tier
+    (``model.lora_ranks_by = "tier"``); None without heterogeneous ranks."""
+    ranks = cfg.model.lora_ranks
+    if ranks is None:
+        return None
+    if cfg.model.lora_ranks_by == "tier":
+        return [ranks[t] for t in client_tiers(cfg.system, num_clients, cfg.run.seed)]
+    return [ranks[c % len(ranks)] for c in range(num_clients)]
 
 
 def read_trace(path: Path, num_clients: int) -> Profiles:
@@ -289,15 +307,20 @@ Sample = Callable[[int, list[int], int], list[int]]  # (round, the online client
 class SystemModel:
     """The system model of one run: its clients' profiles and the simulated clock (``time``, checkpointed)."""
 
-    def __init__(self, cfg: Config, sizes: list[int], model_bytes: int, phases: int = 1) -> None:
+    def __init__(
+        self, cfg: Config, sizes: list[int], model_bytes: int, phases: int = 1, client_bytes: list[int] | None = None
+    ) -> None:
         self.cfg, self.system, self.sizes = cfg, cfg.system, sizes
         self.seed, self.model_bytes, self.phases = cfg.run.seed, model_bytes, phases
+        # each client's share where it differs (heterogeneous LoRA ranks move only the client's own slots)
+        self.client_bytes = client_bytes
         self.profiles = draw_profiles(cfg.system, len(sizes), self.seed)
         t = cfg.train
         self.full = [num_local_steps(n, t.batch_size, t.local_epochs, t.local_steps) for n in sizes]
         # moving the model down and up once per phase, for each client
+        moved = model_bytes if client_bytes is None else np.asarray(client_bytes, dtype=float)
         with np.errstate(over="ignore", divide="ignore"):  # a bandwidth near zero: check_clock refuses it
-            self.comm = phases * (2 * model_bytes / self.profiles.bandwidth + self.system.latency)
+            self.comm = phases * (2 * moved / self.profiles.bandwidth + self.system.latency)
         offsets = np.random.default_rng(derive_seed(self.seed, PROFILE_STREAM, 1)).random(len(sizes))
         self.day_offsets = offsets  # daily availability: where in its day each client is at time 0
         self.time = 0.0  # simulated seconds at the end of the last finished round
@@ -473,6 +496,8 @@ class SystemModel:
                 client["availability"] = float(profiles.availability[cid])
             if availability == "daily":
                 client["day_offset"] = float(self.day_offsets[cid])
+            if self.client_bytes is not None:
+                client["model_bytes"] = int(self.client_bytes[cid])
             clients.append(client)
         return {
             "profiles": self.system.profiles,
@@ -535,4 +560,11 @@ def build_system(cfg: Config, fed: Any, flat: Any, phases: int) -> SystemModel |
     if not cfg.system.active:
         return None
     sizes = [len(client) for client in fed.clients]
-    return SystemModel(cfg, sizes, model_bytes(flat.params, flat.buffers), phases)
+    total = model_bytes(flat.params, flat.buffers)
+    ranks, client_bytes = client_lora_ranks(cfg, len(sizes)), None
+    if ranks is not None:  # a client of rank r moves its first r adapter slots, not the masked ones
+        from fedhet.toolkit.lora import masked_slots
+
+        size = flat.params.element_size()
+        client_bytes = [total - size * masked_slots(flat, r) for r in ranks]
+    return SystemModel(cfg, sizes, total, phases, client_bytes)

@@ -29,6 +29,7 @@ from fedhet.engine.attack import Attack
 from fedhet.engine.buffered import check_fedbuff
 from fedhet.engine.client import ClientRunner
 from fedhet.engine.initial import InitialWeights, initial_weights, load_into
+from fedhet.engine.system import client_lora_ranks
 from fedhet.errors import ConfigError
 from fedhet.toolkit.flat import FlatModel
 from fedhet.toolkit.local import derive_seed, num_local_steps
@@ -49,6 +50,7 @@ def resolve_config(cfg: Config) -> dict[str, Any]:
         fixed = {k: v for k, v in out[section].items() if k not in comp.params()}
         out[section] = {**fixed, "name": entry.name, **params}
     check_aggregation(cfg)
+    check_lora(cfg)
     check_privacy(cfg)
     check_system(cfg)
     check_optimizer(cfg)
@@ -84,6 +86,53 @@ def check_aggregation(cfg: Config) -> None:
         )
     if server.aggregation == "multikrum" and server.multikrum_m is not None and server.multikrum_m > n:
         raise ConfigError(f"server.multikrum_m={server.multikrum_m} exceeds the {n} clients per round")
+
+
+def check_lora(cfg: Config) -> None:
+    """An algorithm that splits the model at its head (``Algorithm.head_refusal``) is refused a frozen or adapted
+    head. ``server.lora_aggregation = "flexlora"`` and heterogeneous ranks (``model.lora_ranks``) replace the
+    adapters' part of a plain weighted average of client models (``Algorithm.lora``), so they need one, formed from
+    every reply of a synchronous round; FlexLoRA's SVD factors also need the server to take that target as it is."""
+    model = cfg.model
+    algo = ALGORITHMS.get(cfg.algorithm.name).obj
+    for key, names in (("freeze", model.freeze), ("lora_targets", model.lora_targets)):
+        touched = [n for n in names or [] if n == "head" or n.startswith("head.")] if isinstance(names, list) else []
+        if touched and algo.head_refusal:
+            split = ", ".join(e.name for e in ALGORITHMS.entries() if e.obj.head_refusal)
+            raise ConfigError(
+                f"model.{key} names the head ({touched[0]!r}), and {algo.name} {algo.head_refusal}; leave the head "
+                f"out of model.{key} or choose an algorithm other than {split}"
+            )
+    flex = cfg.server.lora_aggregation == "flexlora"
+    if not flex and model.lora_ranks is None:
+        return
+    server = cfg.server
+    what = "server.lora_aggregation='flexlora'" if flex else "model.lora_ranks"
+    entry = ALGORITHMS.get(cfg.algorithm.name)
+    if not entry.obj.accepts_gne():
+        able = [e.name for e in ALGORITHMS.entries() if e.obj.accepts_gne()]
+        raise ConfigError(
+            f"{what} changes how the weighted average of the client models treats their adapters, which "
+            f"{entry.name}'s server does not take; algorithms that accept it: {', '.join(able)}"
+        )
+    if server.aggregation != "weights" or server.norm_bound is not None or cfg.privacy.mode == "central":
+        other = (
+            "privacy.mode='central'"
+            if cfg.privacy.mode == "central"
+            else f"server.aggregation={server.aggregation!r}"
+            if server.aggregation != "weights"
+            else "server.norm_bound"
+        )
+        raise ConfigError(
+            f"{what} forms the adapters from each client's own with the algorithm's weights; unset {other}"
+        )
+    if server.mode != "sync":
+        raise ConfigError(f"{what} needs each round's replies at once; use server.mode='sync'")
+    if flex and (server.name != "sgd" or server.params().get("lr", 1.0) != 1.0):
+        raise ConfigError(
+            f"{what} re-factors the adapters by SVD every round, so their coordinates do not persist from round to "
+            "round for a server optimiser's state; use server.name='sgd' with lr=1"
+        )
 
 
 def check_optimizer(cfg: Config) -> None:
@@ -405,7 +454,10 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
     plugins.load(cfg.run.plugins)  # worker processes and Flower nodes start here
     device = torch.device(cfg.run.device)
     algo_cls, algo_cfg = algorithm_config(cfg)
-    check_model_fits(cfg, fed, device, algo_cls, algo_cfg)  # too big for the device: a ConfigError, before allocating
+    # too big for the device: a ConfigError, before allocating
+    check_model_fits(cfg, fed, device, algo_cls, algo_cfg, adapt_model)
+
+    frozen: dict[str, torch.Tensor] = {}
 
     weights = initial_weights(cfg.model.name, cfg.model.params(), cfg.model.init)
     said: list[str] = []
@@ -418,15 +470,29 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
             if weights is not None:  # every model starts from them, as the global one does (a personal model too)
                 said[:] = load_into(model, weights, cfg.model.replace_head)
             model = algo_cls.prepare_model(algo_cfg, model)
-            return algo_cls.prepare_federated_model(algo_cfg, model, fed.num_clients).to(device)
+            model = algo_cls.prepare_federated_model(algo_cfg, model, fed.num_clients)
+            model = adapt_model(cfg, model).to(device)
+        # frozen parameters never travel: every copy takes the global model's, so a teacher or a second model run
+        # through functional_call at the flat parameters is the same function as the global model there
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name in frozen:
+                    p.copy_(frozen[name])
+        return model
 
     torch.manual_seed(derive_seed(cfg.run.seed, 0x40DE1))
     model = make_model()
     check_token_ids(cfg.model.name, model, fed)
+    frozen.update({n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad})
     flat = FlatModel(model)
     setup = Setup(fed.num_clients, fed.num_classes, cfg.train, make_model, device, cfg.privacy)
     algo = build_algorithm(cfg, setup)
     attach_privacy(cfg, algo, flat, fed)
+    ranks = client_lora_ranks(cfg, cfg.partition.num_clients)  # by global client id, on a Flower node too
+    if cfg.server.lora_aggregation == "flexlora" or ranks is not None:
+        from fedhet.toolkit.lora import LoraAggregator, model_pairs
+
+        algo.lora = LoraAggregator(cfg.server.lora_aggregation, model_pairs(flat), ranks)
     algo.init_server(flat.get_params(), flat.get_buffers())
     augment = build_augment(cfg.train.augment, fed.pad_value)
     runner = ClientRunner(
@@ -438,6 +504,7 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
         cfg.run.eval_local_models,
         cfg.run.eval_batch_size,
         attack=None if cfg.attack.kind == "none" else Attack(cfg.attack, fed, cfg.run.seed),
+        lora_ranks=ranks,
     )
     if weights is not None:
         weights.notes = said
@@ -457,6 +524,17 @@ def check_token_ids(name: str, model: torch.nn.Module, fed: FederatedDataset) ->
             f"the dataset's token ids go up to {largest}, and model {name!r} embeds {embedding.num_embeddings}: set "
             f"model.vocab_size = {largest + 1} (or more: the tokenizer's vocabulary)"
         )
+
+
+def adapt_model(cfg: Config, model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with ``model.freeze``'s modules frozen and ``model.lora_*``'s adapters added (models/adapt.py);
+    FFA-LoRA (``server.lora_aggregation = "ffa"``) keeps the adapters' A matrices frozen."""
+    from fedhet.models.adapt import adapt
+
+    lora = cfg.model.lora(train_a=cfg.server.lora_aggregation != "ffa")
+    if cfg.model.freeze == "none" and lora is None:
+        return model
+    return adapt(model, cfg.model.name, cfg.model.freeze, lora)
 
 
 def training_federation(cfg: Config, fed: FederatedDataset, in_process: bool) -> FederatedDataset:

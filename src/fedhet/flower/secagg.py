@@ -86,6 +86,10 @@ def refusal(cfg: Config, settings: SecAggSettings) -> str | None:
         return f"{name}'s aggregation is not a plain weighted sum of the client models (SecAgg+ sums nothing else)"
     if cfg.server.aggregation != "weights":
         return f"server.aggregation={cfg.server.aggregation!r} needs each client's update; SecAgg+ hides them"
+    if getattr(cfg.server, "lora_aggregation", "fedit") == "flexlora":
+        return "server.lora_aggregation='flexlora' multiplies each client's adapters, which SecAgg+ hides (only sums)"
+    if getattr(cfg.model, "lora_ranks", None) is not None:
+        return "model.lora_ranks averages each adapter slot over the clients that hold it, which SecAgg+'s sum hides"
     privacy = getattr(cfg, "privacy", None)
     if privacy is not None and privacy.mode == "central":
         return "central DP clips each client's update at the server, which SecAgg+ hides (use privacy.mode='local')"

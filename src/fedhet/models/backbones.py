@@ -30,7 +30,7 @@ from fedhet.errors import ConfigError
 from fedhet.models.base import MODELS, FedModel, ModelParams, check_rank
 from fedhet.models.hub import resolve_pretrained
 
-INSTALL = "pip install 'fedhet[transformers]' (Hugging Face transformers)"
+INSTALL = "pip install 'fedhet[pretrained]' (Hugging Face transformers)"
 ATTENTION = "eager"  # deterministic on the CPU; see the module docstring
 
 

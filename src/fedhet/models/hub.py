@@ -45,7 +45,7 @@ def from_hub(what: str, repo: str) -> Path:
         from huggingface_hub import constants
     except ImportError:
         raise ConfigError(
-            f"{what} is a hub id, which needs huggingface_hub: pip install 'fedhet[transformers]'"
+            f"{what} is a hub id, which needs huggingface_hub: pip install 'fedhet[pretrained]'"
         ) from None
 
     try:

@@ -732,7 +732,7 @@ def pretrained_token_arrays(train, test, column: str, p: HFParams) -> tuple[np.n
         from transformers import AutoTokenizer
     except ImportError:
         raise DataError(
-            "dataset 'hf': dataset.tokenizer needs transformers: pip install 'fedhet[transformers]'"
+            "dataset 'hf': dataset.tokenizer needs transformers: pip install 'fedhet[pretrained]'"
         ) from None
     folder = tokenizer_folder(p.tokenizer)
     try:
