@@ -397,8 +397,15 @@ def invoke_cache(*args, input=None):
     from typer.testing import CliRunner
 
     from fedhet.cli import app
+    from fedhet.cli_shared import console
 
-    return CliRunner().invoke(app, ["cache", *args], input=input, env={"COLUMNS": "300"})
+    # fedhet's console is 200 columns wide off a terminal (COLUMNS is not read): a row of the long paths of pytest's
+    # temporary folders (longer under xdist) would wrap, so the table is read at 400
+    width, console.width = console.width, 400
+    try:
+        return CliRunner().invoke(app, ["cache", *args], input=input)
+    finally:
+        console.width = width
 
 
 def test_cache_list_names_each_files_dataset_settings_size_and_last_use(saved_images, text_parquet, tmp_path):
