@@ -271,6 +271,7 @@ def start_simulation(tmp_path: Path, name: str):
     """``fedhet flower simulate`` in a process group of its own (as a terminal gives a command), once it has trained
     two rounds (every Ray helper is up then); returns the process, its run folder and what runs under it."""
     import os
+    import signal
     import subprocess
     import time
 
@@ -286,6 +287,9 @@ def start_simulation(tmp_path: Path, name: str):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        # Ctrl-C reaching it as it does a terminal's foreground job: a suite started in the background (`make test &`,
+        # nohup) leaves SIGINT ignored, and Python keeps an ignored SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     metrics, deadline = out / name / "metrics.jsonl", time.monotonic() + 240
     try:
@@ -378,7 +382,18 @@ def test_ctrl_c_ends_a_flower_simulation_promptly(tmp_path):
     ], err
 
 
-def test_after_ctrl_c_flower_and_ray_log_nothing_until_the_simulations_threads_end():
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt in this process, as at a terminal, whatever the suite inherited: started in the
+    background (`make test &`, nohup), it would be ignored and these tests would see no Ctrl-C at all."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_after_ctrl_c_flower_and_ray_log_nothing_until_the_simulations_threads_end(sigint_raises):
     """What made the Ctrl-C test above flaky, without Ray: Ctrl-C kills the ClientApp actors, and Flower's worker
     thread then logs the ActorDiedError with its traceback. From the SIGINT on, Flower's and Ray's records are
     dropped until the threads started in the body have ended (the main thread waits for them); fedhet's records and
@@ -429,7 +444,7 @@ def test_after_ctrl_c_flower_and_ray_log_nothing_until_the_simulations_threads_e
     assert signal.getsignal(signal.SIGINT) is handler_before
 
 
-def test_threads_a_ctrl_c_leaves_blocked_are_abandoned_and_the_cli_ends_without_them(monkeypatch):
+def test_threads_a_ctrl_c_leaves_blocked_are_abandoned_and_the_cli_ends_without_them(monkeypatch, sigint_raises):
     """The other half of the flaky Ctrl-C test: Flower's worker threads can wait in ray.get forever once Ray is shut
     down under them, and Python's exit waits for every non-daemon thread, so the process printed 'interrupted' and
     never ended. Threads still running after the grace period are abandoned(), and the CLI then exits 130 at once
