@@ -68,7 +68,8 @@ class FederatedDataset:
                 return hashlib.sha256(f"{info['sha256']} {info['partition_sha256']}".encode()).hexdigest()
             return str(info["sha256"])
         digest = hashlib.sha256()
-        tensors = [t for c in self.clients for t in (c.x, c.y, c.x_test, c.y_test)] + [self.x_test, self.y_test]
+        tensors = [t for c in self.clients for t in (c.x, c.y, c.x_test, c.y_test, c.x_val, c.y_val)]
+        tensors += [self.x_test, self.y_test]
         for i, tensor in enumerate(tensors):
             if tensor is not None:
                 flat = tensor.detach().reshape(-1).cpu().contiguous()
