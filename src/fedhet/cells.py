@@ -488,10 +488,12 @@ def _exit_reason(code: int) -> str:
 # ---------------------------------------------------------------------------------------------- display
 
 
-class _Display:
-    """One rich Progress for every cell: a row per running cell and an overall row; messages print above it."""
+class LiveDisplay:
+    """A rich Progress with an overall row (``what`` done of ``total``) above a row per running job; messages print
+    above it; on a log file (not a terminal, or ``enabled`` off) it shows nothing. Compare's cells and the tuner's
+    trials each extend it with the events they handle."""
 
-    def __init__(self, console: Console, total: int, done: int, enabled: bool) -> None:
+    def __init__(self, console: Console, what: str, total: int, done: int, enabled: bool) -> None:
         self.console = console
         self.progress = Progress(
             TextColumn("{task.description}"),
@@ -500,15 +502,12 @@ class _Display:
             TextColumn("{task.fields[info]}"),
             TimeElapsedColumn(),
             console=console,
-            disable=not (enabled and console.is_terminal),  # a log file gets the per-cell lines only
+            disable=not (enabled and console.is_terminal),  # a log file gets the per-job lines only
             transient=True,
         )
-        self.overall = self.progress.add_task("[bold]cells", total=total, completed=done, info="")
-        self.rows: dict[str, Any] = {}  # running cell -> its progress row
-        self.info: dict[str, str] = {}  # running cell -> its last accuracy
-        self.failed = 0
+        self.overall = self.progress.add_task(f"[bold]{what}", total=total, completed=done, info="")
 
-    def __enter__(self) -> _Display:
+    def __enter__(self) -> LiveDisplay:
         self.progress.__enter__()
         return self
 
@@ -517,6 +516,16 @@ class _Display:
 
     def note(self, text: str) -> None:
         self.console.print(escape(text), highlight=False, soft_wrap=True)
+
+
+class _Display(LiveDisplay):
+    """One rich Progress for every cell: a row per running cell and an overall row; messages print above it."""
+
+    def __init__(self, console: Console, total: int, done: int, enabled: bool) -> None:
+        super().__init__(console, "cells", total, done, enabled)
+        self.rows: dict[str, Any] = {}  # running cell -> its progress row
+        self.info: dict[str, str] = {}  # running cell -> its last accuracy
+        self.failed = 0
 
     def handle(self, event: Event) -> None:
         kind, name = event[0], event[1] if event[0] != "result" else event[1].name

@@ -18,9 +18,9 @@ from typing import Any
 from filelock import FileLock, Timeout
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from fedhet.cells import LiveDisplay
 from fedhet.config import Config, build_config
 from fedhet.errors import ConfigError, RunFailed
 from fedhet.results.store import write_json_atomic, write_text_atomic
@@ -460,34 +460,14 @@ def raise_if_nothing(result: TuneResult) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- display
-class TuneDisplay:
+class TuneDisplay(LiveDisplay):
     """One rich Progress: trials done of the total with the best value and the pruned count, a row per running
     trial; on a log file, one line per finished trial."""
 
     def __init__(self, console: Console, plan: TunePlan, done: int, enabled: bool) -> None:
-        self.console, self.plan, self.enabled = console, plan, enabled
-        self.progress = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(bar_width=24),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[info]}"),
-            TimeElapsedColumn(),
-            console=console,
-            disable=not (enabled and console.is_terminal),
-            transient=True,
-        )
-        self.overall = self.progress.add_task("[bold]trials", total=plan.settings.trials, completed=done, info="")
+        super().__init__(console, "trials", plan.settings.trials, done, enabled)
+        self.plan, self.enabled = plan, enabled
         self.rows: dict[int, Any] = {}
-
-    def __enter__(self) -> TuneDisplay:
-        self.progress.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.progress.__exit__(*exc)
-
-    def note(self, text: str) -> None:
-        self.console.print(escape(text), highlight=False, soft_wrap=True)
 
     def handle(self, event: tuple[Any, ...]) -> None:
         kind, number = event[0], event[1]
