@@ -22,11 +22,13 @@ from fedhet.errors import ConfigError, RunFailed
 optuna = pytest.importorskip("optuna")
 
 from fedhet.tuning.study import (  # noqa: E402  (after the skip: optuna is an optional dependency)
+    STUDY_FILE,
     TuneSettings,
     counted,
     grid_space,
     open_study,
     requeue_interrupted,
+    storage,
 )
 from fedhet.tuning.trials import TrialJob, run_trial, take_over  # noqa: E402
 from fedhet.tuning.tuner import LOCK_FILE, plan_tune  # noqa: E402
@@ -149,6 +151,27 @@ def test_trial_folders_without_their_study_are_refused(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- resume bookkeeping
+def _open_storage(folder: str) -> str:
+    try:
+        storage(Path(folder))
+        return "ok"
+    except ConfigError as err:
+        return str(err)
+
+
+def test_processes_opening_a_new_study_database_at_once_all_get_it(tmp_path):
+    # Each process creates the tables of a new study.db; unserialised, about half of these rounds failed one of them
+    # with "table studies already exists" or a duplicate alembic_version (a killed-tune test failed on it in CI).
+    import multiprocessing
+
+    storage(tmp_path / "warm")  # sqlalchemy and alembic imported once, before the processes fork
+    with multiprocessing.get_context("fork").Pool(3) as pool:
+        for attempt in range(3):
+            folder = tmp_path / str(attempt)
+            assert pool.map(_open_storage, [str(folder)] * 3) == ["ok"] * 3
+            assert optuna.get_all_study_summaries(f"sqlite:///{folder / STUDY_FILE}") == []
+
+
 def test_a_trial_left_running_is_requeued_once_with_its_params_and_counts_once(tmp_path):
     p = plan(tmp_path)
     study = open_study(p.out_dir, p.base, p.space, p.settings, parallel=False)
@@ -261,6 +284,8 @@ def test_a_killed_tune_resumes_without_duplicating_finished_trials(tmp_path):
     state = optuna.trial.TrialState
 
     def load() -> list:
+        if not (folder / "trials").exists():  # the tuner has not finished creating its study
+            return []
         try:
             return optuna.load_study(study_name="tu", storage=f"sqlite:///{folder / 'study.db'}").trials
         except Exception:  # not created yet

@@ -17,11 +17,13 @@ Optuna is imported here only when a function runs (``pip install fedhet[tune]``)
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from filelock import FileLock
 
 from fedhet.config import Config
 from fedhet.errors import ConfigError
@@ -49,6 +51,7 @@ GRID_POINTS = 3
 GRID_INT_POINTS = 5
 # SQLite waits this long (s) for another connection's write lock instead of failing at once ("database is locked")
 SQLITE_TIMEOUT_S = 60
+SCHEMA_RACE_TRIES = 5  # opening a new study.db while another process creates its tables
 
 
 @dataclass(frozen=True)
@@ -95,10 +98,26 @@ def storage(out_dir: Path) -> Any:
     optuna = optuna_module()
     out_dir.mkdir(parents=True, exist_ok=True)
     url = f"sqlite:///{(out_dir / STUDY_FILE).resolve()}"
-    try:
-        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": SQLITE_TIMEOUT_S}})
-    except Exception as err:  # sqlalchemy's errors: not a database, a newer schema, a file that cannot be read
-        raise ConfigError(f"{out_dir / STUDY_FILE} is not an Optuna study database fedhet can use: {err}") from None
+    # Opening a new database creates its tables; two processes doing so at once collide ("table already exists",
+    # a duplicate schema version), so fedhet's processes take turns, and one that meets another program's creation
+    # opens it again once the tables are complete.
+    with FileLock(out_dir / f".{STUDY_FILE}.lock"):
+        for attempt in range(SCHEMA_RACE_TRIES):
+            try:
+                return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": SQLITE_TIMEOUT_S}})
+            except Exception as err:  # sqlalchemy's: not a database, a newer schema, a file that cannot be read
+                if _schema_race(err) and attempt + 1 < SCHEMA_RACE_TRIES:
+                    time.sleep(0.2 * (attempt + 1))
+                    continue
+                raise ConfigError(
+                    f"{out_dir / STUDY_FILE} is not an Optuna study database fedhet can use: {err}"
+                ) from None
+    raise AssertionError("unreachable")
+
+
+def _schema_race(err: Exception) -> bool:
+    text = str(err)
+    return "already exists" in text or "UNIQUE constraint failed: alembic_version" in text
 
 
 # ---------------------------------------------------------------------------------------------- samplers, pruners
