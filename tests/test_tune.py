@@ -227,6 +227,25 @@ def test_a_pruned_trial_stops_cleanly_and_counts_the_rounds_it_ran(tmp_path):
     assert fedhet.resume(folder).summary["rounds_done"] == 3
 
 
+def test_each_evaluation_reaches_the_pruner_once_when_rounds_go_unevaluated(tmp_path):
+    # A round without an evaluation used to send every earlier evaluation to the pruner again (Optuna warned
+    # "step=2 is already reported" in every trial of a run with eval_every > 1).
+    from fedhet.cells import _DataCache
+
+    p = plan(tmp_path, "run.rounds=4", "run.eval_every=2")
+    raw = p.base.to_dict()
+    raw["run"]["name"] = "0"
+    asked, events = [], []
+
+    def report(step: int, value: float) -> bool:
+        asked.append(step)
+        return False
+
+    outcome = run_trial(TrialJob(0, raw, "val_acc", "last"), _DataCache(), events.append, report)
+    assert outcome.status == "finished" and asked == [2, 4]
+    assert [(e[2], e[3] is None) for e in events if e[0] == "round"] == [(1, True), (2, False), (3, True), (4, False)]
+
+
 # ---------------------------------------------------------------------------------------------- end to end
 def _tune_command(out: Path, trials: int, jobs: int) -> list[str]:
     return [

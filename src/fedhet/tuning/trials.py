@@ -134,10 +134,17 @@ def train_run(
     def log(text: str) -> None:
         emit(("log", number, text))
 
+    started = False
+
     def on_round(rnd: int, record: dict[str, Any] | None) -> None:
-        if record is None:  # the start: a continued folder's evaluations so far go to the pruner too
+        nonlocal started
+        if not started:  # the start: a continued folder's evaluations so far go to the pruner too
+            started = True
             for past in _past_values(run_dir, metric, rnd) if report is not None else []:
                 report(*past)
+            return
+        if record is None:  # a round without an evaluation: the progress moves, the pruner hears nothing
+            emit(("round", number, before + rnd, None))
             return
         value = _value(record.get(metric))
         emit(("round", number, before + rnd, value))

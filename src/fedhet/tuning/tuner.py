@@ -474,8 +474,11 @@ class TuneDisplay(LiveDisplay):
         if kind == "start":
             self.rows[number] = self.progress.add_task(f"trial {number}", total=event[2], completed=0, info="")
         elif kind == "round" and number in self.rows:
-            info = f"{self.plan.settings.metric} {event[3]:.4f}"
-            self.progress.update(self.rows[number], completed=event[2], info=info)
+            if event[3] is None:  # a round without an evaluation
+                self.progress.update(self.rows[number], completed=event[2])
+            else:
+                info = f"{self.plan.settings.metric} {event[3]:.4f}"
+                self.progress.update(self.rows[number], completed=event[2], info=info)
         elif kind == "log":
             self.console.print(f"[yellow]trial {number}[/]: {escape(event[2])}", highlight=False, soft_wrap=True)
 
