@@ -467,7 +467,7 @@ def test_tinyimagenet_reads_the_standard_layout(tmp_path):
 def test_tinyimagenet_refuses_parameters(tmp_path):
     no_params = (
         r"unknown key 'dataset.download' for dataset 'tinyimagenet'; "
-        r"valid keys in \[dataset\]: name, data_dir, train_fraction$"
+        r"valid keys in \[dataset\]: name, data_dir, train_fraction, classes$"
     )
     with pytest.raises(ConfigError, match=no_params):
         load_dataset("tinyimagenet", tmp_path, download=True)
@@ -934,7 +934,7 @@ def test_every_dataset_is_registered_with_a_summary():
 def test_unknown_dataset_and_parameter_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="unknown dataset 'imagenet'.*cifar10"):
         load_dataset("imagenet")
-    valid = r"valid keys in \[dataset\]: name, data_dir, train_fraction, download"
+    valid = r"valid keys in \[dataset\]: name, data_dir, train_fraction, classes, download"
     with pytest.raises(ConfigError, match=rf"unknown key 'dataset.alpha' for dataset 'mnist'; {valid}"):
         load_dataset("mnist", tmp_path, alpha=1)
     with pytest.raises(ConfigError, match="num_users"):

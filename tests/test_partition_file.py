@@ -102,6 +102,7 @@ def rewrite(path, change) -> None:
             r"train sample \d+ is in client 0 and client 3; set partition.allow_overlap=true if clients may share",
         ),
         (None, {"train_fraction": 0.5}, r"made from dataset.train_fraction 1.0, and this run has 0.5; its indices"),
+        (None, {"classes": [0, 1]}, r"made from dataset.classes None, and this run has \[0, 1\]; its indices"),
         (lambda o: o["dataset"].update(sha256="0" * 64), {}, r"made from data \(sha256\) '0000.*and this run has"),
         (lambda o: o["clients"][0]["train"].append(2.5), {}, r"client 0: \"train\" must be a list of whole-number"),
         (lambda o: o.update(version=2), {}, r"partition file version 2; this fedhet reads 1$"),
@@ -112,10 +113,10 @@ def test_a_file_that_does_not_fit_the_run_is_one_line(saved, change, settings, m
     path, _ = saved
     if change is not None:
         rewrite(path, change)
-    train_fraction = settings.pop("train_fraction", None)
+    dataset = {f"dataset.{k}": settings.pop(k) for k in ("train_fraction", "classes") if k in settings}
     cfg = from_file(path, **settings)
-    if train_fraction is not None:
-        cfg = fedhet.make_config(cfg, {"dataset.train_fraction": train_fraction})
+    if dataset:
+        cfg = fedhet.make_config(cfg, dataset)
     with pytest.raises((DataError, ConfigError)) as info:
         build_federation(cfg)
     assert "\n" not in str(info.value)

@@ -9,11 +9,15 @@ import numpy as np
 import pytest
 import torch
 from rich.console import Console
+from sklearn.datasets import load_digits
 from test_results import make_run
 
-from fedhet.data.types import ArrayDataset
+import fedhet
+from fedhet.data.types import ArrayDataset, DataError
 from fedhet.engine.batched import choose_executor
 from fedhet.engine.simulation import Simulation, build_training
+from fedhet.engine.training import build_federation
+from fedhet.errors import ConfigError
 from fedhet.results.report import group_runs, load_runs, print_table, summary_table, to_markdown
 from fedhet.results.store import read_metrics
 from fedhet.toolkit.confusion import probability_matrix, soft_confusion, template, template_kl
@@ -125,6 +129,39 @@ def test_train_fraction_is_a_stratified_subset_shared_by_every_seed():
     assert np.bincount(sub.y_train).tolist() == [10, 5, 1]  # every class keeps at least one sample
     assert np.array_equal(sub.x_train, ds.train_subset(0.1).x_train)
     assert sub.provenance()["train_fraction"] == 0.1 and ds.train_subset(1.0) is ds
+
+
+def test_dataset_classes_keep_those_classes_relabelled_in_the_order_given():
+    y = np.array([0, 1, 2, 3, 2, 1, 3])
+    yt = np.array([3, 0, 2, 1])
+    x, xt = np.arange(7, dtype=np.float32)[:, None], 10 + np.arange(4, dtype=np.float32)[:, None]
+    ds = ArrayDataset("toy", x, y, xt, yt, 4, (1,), class_names=["a", "b", "c", "d"], groups_train=y * 10)
+    sub = ds.class_subset([3, 1])
+    assert sub.x_train[:, 0].tolist() == [1, 3, 5, 6] and sub.y_train.tolist() == [1, 0, 1, 0]  # 3 -> 0, 1 -> 1
+    assert sub.x_test[:, 0].tolist() == [10, 13] and sub.y_test.tolist() == [0, 1]
+    assert sub.num_classes == 2 and sub.class_names == ["d", "b"] and sub.groups_train.tolist() == [10, 30, 10, 30]
+    assert sub.provenance()["classes"] == [3, 1] and sub.content_hash == ds.content_hash  # the files read
+    assert ds.class_subset(None) is ds
+    with pytest.raises(DataError, match=r"^dataset.classes \[3, 4\]: 'toy' has classes 0-3, not 4$"):
+        ds.class_subset([3, 4])
+
+
+def test_a_run_on_some_classes_trains_and_tests_on_those_only(tmp_path):
+    cfg = fedhet.make_config(
+        None,
+        {"dataset.name": "digits", "dataset.classes": [7, 2, 5], "partition.num_clients": 3, "run.rounds": 1},
+        out=str(tmp_path),
+    )
+    fed = build_federation(cfg)
+    digits = load_digits()
+    kept = np.isin(digits.target, [7, 2, 5])
+    assert fed.num_classes == 3 and sum(len(c.y) for c in fed.clients) + len(fed.y_test) == kept.sum()
+    assert set(fed.y_test.tolist()) == {0, 1, 2}
+    for bad, message in (([1], "two or more distinct"), ([2, 2], "two or more distinct"), ([-1, 3], "0 or more")):
+        with pytest.raises(ConfigError, match=message):
+            fedhet.make_config(None, {"dataset.classes": bad})
+    summary = fedhet.run(cfg).summary
+    assert summary["rounds_done"] == 1
 
 
 def test_report_shows_the_protocol_columns_with_std(tmp_path):

@@ -247,11 +247,21 @@ class DatasetSection(_Component):
     # a class-stratified fraction of the training set, the same for every seed (quick studies on a small machine;
     # the test set stays whole); recorded in provenance.json
     train_fraction: float = Field(1.0, gt=0.0, le=1.0)
+    # only these classes, train and test set, relabelled 0, 1, ... in the order given (e.g. pretrain on [0, 1, 2, 3, 4]
+    # and fine-tune on [5, 6, 7, 8, 9]); applied before train_fraction; unset = every class
+    classes: list[int] | None = None
 
     @field_validator("data_dir")
     @classmethod
     def _path(cls, value: str | None) -> str | None:
         return no_nul(value)
+
+    @field_validator("classes")
+    @classmethod
+    def _classes(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (len(value) < 2 or len(set(value)) != len(value) or min(value) < 0):
+            raise ValueError("give two or more distinct class indices (0 or more), e.g. [0, 1, 2, 3, 4]")
+        return value
 
 
 class PartitionSection(_Component):

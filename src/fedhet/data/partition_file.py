@@ -6,7 +6,8 @@
     {
       "format": "fedhet-partition",
       "version": 1,
-      "dataset": {"name", "sha256", "train_fraction", "merge_test", "samples", "test_samples", "labels_sha256"},
+      "dataset": {"name", "sha256", "classes" (where set), "train_fraction", "merge_test", "samples",
+                  "test_samples", "labels_sha256"},
       "made_by": {"partition": {...}, "dataset": {...}, "seed": 0, "fedhet": "0.1.0"},
       "clients": [{"train": [3, 17, ...], "test": [...]}, ...]
     }
@@ -38,6 +39,7 @@ COMPARED = {
     "name": "dataset",
     "sha256": "data (sha256)",
     "train_fraction": "dataset.train_fraction",
+    "classes": "dataset.classes",
     "merge_test": "partition.merge_test",
 }
 
@@ -47,11 +49,13 @@ def labels_hash(labels: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(labels, np.int64).tobytes()).hexdigest()
 
 
-def fingerprint(ds, labels: np.ndarray, train_fraction: float, merge_test: bool) -> dict:
-    """What a saved partition was made from: the dataset, its subset and the labels that were split."""
+def fingerprint(ds, labels: np.ndarray, train_fraction: float, merge_test: bool, classes: list | None = None) -> dict:
+    """What a saved partition was made from: the dataset, its subset and the labels that were split (``classes``
+    only where set, so files saved before the setting existed still match a run without it)."""
     return {
         "name": ds.name,
         "sha256": ds.content_hash,
+        **({"classes": list(classes)} if classes else {}),
         "train_fraction": train_fraction,
         "merge_test": merge_test,
         "samples": len(labels),

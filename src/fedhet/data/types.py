@@ -79,6 +79,43 @@ class ArrayDataset:
         if not self.content_hash:
             self.content_hash = self.array_hash()
 
+    def class_subset(self, classes: list[int] | None) -> ArrayDataset:
+        """Only the samples of ``classes`` (training and test set), relabelled 0, 1, ... in the order given: class
+        ``classes[i]`` becomes label ``i``. For pretraining on some classes and fine-tuning on the others, or a
+        smaller task. The provenance keeps the source files and hash and records the classes."""
+        if not classes:
+            return self
+        bad = [c for c in classes if not 0 <= c < self.num_classes]
+        if bad:
+            raise DataError(
+                f"dataset.classes {list(classes)}: {self.name!r} has classes 0-{self.num_classes - 1}, not {bad[0]}"
+            )
+        new_label = np.full(self.num_classes, -1, dtype=np.int64)
+        new_label[list(classes)] = np.arange(len(classes))
+        train = np.flatnonzero(new_label[self.y_train] >= 0)
+        test = np.flatnonzero(new_label[self.y_test] >= 0)
+        if not len(train):
+            raise DataError(f"dataset.classes {list(classes)}: {self.name!r} has no training sample of these classes")
+
+        def cut(array: np.ndarray | None, keep: np.ndarray) -> np.ndarray | None:
+            return None if array is None else array[keep]
+
+        names = None if self.class_names is None else [self.class_names[c] for c in classes]
+        return replace(
+            self,
+            x_train=self.x_train[train],
+            y_train=new_label[self.y_train[train]],
+            x_test=self.x_test[test],
+            y_test=new_label[self.y_test[test]],
+            num_classes=len(classes),
+            class_names=names,
+            groups_train=cut(self.groups_train, train),
+            groups_test=cut(self.groups_test, test),
+            domains_train=cut(self.domains_train, train),
+            domains_test=cut(self.domains_test, test),
+            extra={**self.extra, "classes": list(classes)},
+        )
+
     def train_subset(self, fraction: float) -> ArrayDataset:
         """A class-stratified ``fraction`` of the training set (each class rounded, at least one sample of a class
         that has any), the same subset whatever the run seed; the test set is untouched. The provenance keeps the
@@ -138,6 +175,7 @@ class ArrayDataset:
             "file_count": len(self.source_files),
             "sha256": self.content_hash,
             "sha256_of": "files" if self.source_files else "arrays",
+            **({"classes": self.extra["classes"]} if "classes" in self.extra else {}),
             **({"train_fraction": self.extra["train_fraction"]} if "train_fraction" in self.extra else {}),
             **self.extra.get("provenance", {}),  # a loader's own facts: which split was the test set, a cache file
         }

@@ -247,14 +247,14 @@ def attach_privacy(cfg: Config, algo: Algorithm, flat: FlatModel, fed: Federated
 
 
 def load_data(cfg: Config) -> ArrayDataset:
-    """The dataset a config names, with its training subset (``dataset.train_fraction``)."""
+    """The dataset a config names, with its classes (``dataset.classes``) and training subset
+    (``dataset.train_fraction``)."""
     from fedhet.data.datasets import load_dataset
     from fedhet.models.fit import loaded_misfit
 
     plugins.load(cfg.run.plugins)  # a Flower node builds its data here without resolving the config first
-    ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir, **cfg.dataset.params()).train_subset(
-        cfg.dataset.train_fraction
-    )
+    ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir, **cfg.dataset.params())
+    ds = ds.class_subset(cfg.dataset.classes).train_subset(cfg.dataset.train_fraction)
     wrong = loaded_misfit(cfg.model.name, cfg.model.params(), cfg.dataset.name, cfg.dataset.params(), ds)
     if wrong:  # known only now, with the data: a Hugging Face dataset's task "auto" found a table, not images
         raise ConfigError(wrong)
@@ -274,7 +274,7 @@ def partition_of(cfg: Config, ds: ArrayDataset) -> SavedPartition:
         labels = np.concatenate([ds.y_train, ds.y_test])
         if groups is not None and ds.groups_test is not None:
             groups = np.concatenate([groups, ds.groups_test])
-    current = fingerprint(ds, labels, cfg.dataset.train_fraction, p.merge_test)
+    current = fingerprint(ds, labels, cfg.dataset.train_fraction, p.merge_test, cfg.dataset.classes)
     saved = None
     if p.name == "file":  # the data must be those it was made from before its indices mean anything
         saved = SavedPartition.load(p.params()["path"])

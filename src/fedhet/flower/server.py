@@ -181,6 +181,7 @@ def server_federation(cfg: Config, nodes: Nodes) -> FederatedDataset:
     if not nodes.from_file:
         return build_federation(cfg)
     ds = load_dataset(cfg.dataset.name, cfg.dataset.data_dir, **cfg.dataset.params())
+    ds = ds.class_subset(cfg.dataset.classes)
     if not ds.has_test_set:
         raise NodeError(f"dataset {cfg.dataset.name!r} has no test set for the server to evaluate on")
     device, n = cfg.run.device, cfg.partition.num_clients
