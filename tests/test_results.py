@@ -110,6 +110,19 @@ def make_run(root, name, algorithm, seed, accs, **extra_metrics):
     return folder
 
 
+def test_a_tuned_comparisons_folder_reports_its_final_runs_not_the_tuning_trials(tmp_path):
+    out = tmp_path / "cmp"
+    make_run(out, "fedavg-s0", {"name": "fedavg"}, 0, [0.5, 0.6])
+    tune = out / "tuning" / "fedavg"
+    make_run(tune / "trials", "0", {"name": "fedavg"}, 100, [0.1, 0.2])
+    (tune / "study.db").write_bytes(b"")
+    assert [r.path.name for r in load_runs([out])] == ["fedavg-s0"]
+    assert [r.path.name for r in load_runs([tune])] == ["0"]  # the tune itself: its trials
+    assert [r.path.name for r in load_runs([tune / "trials"])] == ["0"]
+    with pytest.raises(FedhetError, match=r"only the trial runs of tunes under .*tuning; to report them, give a tune"):
+        load_runs([out / "tuning"])
+
+
 def test_runs_differing_by_seed_form_one_group(tmp_path):
     sweep = tmp_path / "sweep"
     for seed in (0, 1):

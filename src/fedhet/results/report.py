@@ -204,7 +204,11 @@ def is_percent(metric: str) -> bool:
 
 def load_runs(paths: list[str | Path], warn: Warn = None) -> list[Run]:
     """Runs in the given folders: each path is a run folder or any folder above run folders. A torn last metrics
-    line is skipped with ``warn`` (else a Python warning)."""
+    line is skipped with ``warn`` (else a Python warning).
+
+    The trial runs of a tune (the folders under one that holds ``study.db``) are left out when the path is above the
+    tune, as a tuned comparison's folder is (its ``tuning/<variant>``): they are the search, not the results. A path
+    to the tune folder or inside it reads them."""
     folders: list[Path] = []
     for path in map(Path, paths):
         if not path.exists():
@@ -212,8 +216,23 @@ def load_runs(paths: list[str | Path], warn: Warn = None) -> list[Run]:
         found = sorted(c.parent for c in path.rglob("config.json") if (c.parent / "metrics.jsonl").exists())
         if not found:
             raise FedhetError(f"no runs (config.json + metrics.jsonl) under {path}")
-        folders += [f for f in found if f not in folders]
+        results = [f for f in found if not _in_tune_below(f, path)]
+        if not results:
+            raise FedhetError(
+                f"only the trial runs of tunes under {path}; to report them, give a tune folder (one with study.db)"
+            )
+        folders += [f for f in results if f not in folders]
     return [load_run(folder, warn) for folder in folders]
+
+
+def _in_tune_below(folder: Path, top: Path) -> bool:
+    """Whether ``folder`` lies in a tune folder (one with study.db) strictly below ``top``."""
+    from fedhet.tuning.study import STUDY_FILE
+
+    for parent in folder.relative_to(top).parents:
+        if parent != Path(".") and (top / parent / STUDY_FILE).exists():
+            return True
+    return False
 
 
 def load_run(folder: Path, warn: Warn = None) -> Run:
