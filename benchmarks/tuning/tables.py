@@ -1,0 +1,100 @@
+"""The tables of docs/tuning.md's study from run.sh's folders, beside docs/non-iid.md's default-settings cells.
+
+Usage: python benchmarks/tuning/tables.py [OUT]   (OUT default runs/tuning-fmnist)
+
+For each kind, one row per method: its default-settings cell (benchmarks/noniid/results: fmnist.toml's settings,
+train.lr 0.01, no validation split), its tuned cell (OUT/<kind>/<method>-s<seed>, else the archived copy in
+benchmarks/tuning/results), the tuned minus default difference paired by seed, the values its tune chose, and the
+tune's budget (trials complete + pruned, rounds run of the nominal trials x rounds). A cell is the final
+evaluation's global test accuracy, mean ± sample std over the seeds that reached round 30, with those seeds; ranks
+are by that mean among the methods with a finished cell in both columns (FedBN, with no global model, has none)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from statistics import mean, stdev
+
+HERE = Path(__file__).parent
+DEFAULTS = HERE.parent / "noniid" / "results"
+ARCHIVE = HERE / "results"
+KINDS = {"dir0.1": "Dir(0.1)", "two_classes": "2 classes", "rotated": "rotated ×4"}
+METHODS = ["fedavg", "fedprox", "scaffold", "fednova", "feddyn", "moon", "fedbn", "fedrod"]
+NO_GLOBAL_MODEL = {"fedbn"}  # its clients keep their BatchNorm layers: the averaged model is no model anyone uses
+ROUNDS = 30
+
+
+def _method(folder: Path, method: str) -> dict[int, float]:
+    out = {}
+    for run in sorted(folder.glob(f"{method}-s[0-9]*")):
+        path = run / "metrics.jsonl"
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        if lines and lines[-1]["round"] >= ROUNDS:
+            out[int(run.name.rsplit("-s", 1)[1])] = 100 * lines[-1]["test_acc"]
+    return out
+
+
+def spread(values: dict[int, float], signed: bool = False) -> str:
+    if not values:
+        return "–"
+    v = list(values.values())
+    text = f"{mean(v):{'+' if signed else ''}.1f}" + (f" ± {stdev(v):.1f}" if len(v) > 1 else "")
+    return text + f" <sub>s{','.join(map(str, sorted(values)))}</sub>"
+
+
+def tune_summary(out: Path, kind: str, method: str) -> dict | None:
+    for base in (out, ARCHIVE):
+        path = base / kind / "tuning" / method / "tune.json"
+        if path.exists():
+            return json.loads(path.read_text())
+    return None
+
+
+def chosen(summary: dict | None) -> tuple[str, str]:
+    if summary is None or summary.get("best") is None:
+        return "–", "–"
+    values = ", ".join(f"{k.split('.')[-1]}={v:.3g}" for k, v in summary["best"]["params"].items())
+    b = summary["budget"]
+    budget = f"{b['complete']}+{b['pruned']} of {b['trials']}, {b['rounds_run']}/{b['rounds_nominal']} rounds"
+    return values, budget
+
+
+def ranks(means: dict[str, float]) -> dict[str, int]:
+    order = sorted(means, key=lambda m: -means[m])
+    return {m: i + 1 for i, m in enumerate(order)}
+
+
+def kind_table(out: Path, kind: str) -> list[str]:
+    head = ["method", "default", "tuned", "tuned − default", "rank default → tuned", "chosen", "budget"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---|" * (len(head) - 1)]
+    default = {m: _method(DEFAULTS / kind, m) for m in METHODS}
+    tuned = {m: {**_method(ARCHIVE / kind, m), **_method(out / kind, m)} for m in METHODS}
+    both = [m for m in METHODS if default[m] and tuned[m] and m not in NO_GLOBAL_MODEL]
+    rank_default = ranks({m: mean(default[m].values()) for m in both})
+    rank_tuned = ranks({m: mean(tuned[m].values()) for m in both})
+    for m in METHODS:
+        values, budget = chosen(tune_summary(out, kind, m))
+        if m in NO_GLOBAL_MODEL:
+            lines.append(f"| {m} | n/a¹ | n/a¹ | | | {values} | {budget} |")
+            continue
+        shared = sorted(set(default[m]) & set(tuned[m]))
+        diff = spread({s: tuned[m][s] - default[m][s] for s in shared}, signed=True)
+        rank = f"{rank_default[m]} → {rank_tuned[m]}" if m in both else "–"
+        cells = [spread(default[m]), spread(tuned[m]), diff, rank, values, budget]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", default="runs/tuning-fmnist", type=Path)
+    args = parser.parse_args()
+    for kind, title in KINDS.items():
+        print(f"\n### {title}: global test accuracy (%) after {ROUNDS} rounds\n")
+        print("\n".join(kind_table(args.out, kind)))
+    print("\n¹ FedBN has no global model (each client keeps its BatchNorm layers); its tune still ran, on val_acc.")
+
+
+if __name__ == "__main__":
+    main()
