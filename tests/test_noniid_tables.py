@@ -33,7 +33,7 @@ def test_a_cell_is_mean_and_std_over_finished_seeds_with_the_worst_part(tables, 
     write_run(out, "rotated", "fedavg-s0", [{"round": 30, "test_acc": 0.80, "test_acc/domain/worst": 0.70}])
     write_run(out, "rotated", "fedavg-s1", [{"round": 30, "test_acc": 0.70, "test_acc/domain/worst": 0.60}])
     write_run(out, "rotated", "fedavg-s2", [{"round": 12, "test_acc": 0.50}], torn=True)  # still running
-    assert tables.cell(tables.runs(out, "rotated", "fedavg"), 30) == "75.0 ± 5.0 (65.0) <sub>s0,1</sub> +1 unfinished"
+    assert tables.cell(tables.runs(out, "rotated", "fedavg"), 30) == "75.0 ± 7.1 (65.0) <sub>s0,1</sub> +1 unfinished"
     write_run(out, "iid", "fedavg-s0", [{"round": 30, "test_acc": 0.871, "client_acc_min": 0.85}])
     assert tables.cell(tables.runs(out, "iid", "fedavg"), 30) == "87.1 (85.0) <sub>s0</sub>"
     write_run(out, "iid", "moon-s0", [{"round": 5, "test_acc": 0.4}])

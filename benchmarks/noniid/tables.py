@@ -3,8 +3,8 @@
 Usage: python benchmarks/noniid/tables.py [OUT] [--plot PNG]   (OUT default runs/noniid-fmnist)
 
 Reads OUT/<kind>/<method>-s<seed> and, for cells not there, the archived copies in benchmarks/noniid/results (see
-benchmarks/reproduce/archive.py). A cell is the final evaluation's global test accuracy, mean ± std over the seeds
-that reached the last round, then in brackets the worst part of the federation: the worst domain's accuracy
+benchmarks/reproduce/archive.py). A cell is the final evaluation's global test accuracy, mean ± sample std over the
+seeds that reached the last round, then in brackets the worst part of the federation: the worst domain's accuracy
 (test_acc/domain/worst) under domains, else the worst client's on its own test data (client_acc_min). FedBN's and
 FedRoD's personalised accuracy (each client's own model on its own test data, micro average) is a second table,
 since those methods are meant to be used that way. A cell lists its seeds; one whose runs have not all reached the
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from statistics import mean, pstdev
+from statistics import mean, stdev
 
 from fedhet.config import load_config
 
@@ -79,7 +79,7 @@ def cell(found: dict[int, list[dict]], rounds: int, key=lambda r: r["test_acc"],
     if not done:
         return "–" if not found else f"(running: round {max(r[-1]['round'] for r in found.values())})"
     accs = [100 * key(r) for r in done.values()]
-    text = f"{mean(accs):.1f} ± {pstdev(accs):.1f}" if len(accs) > 1 else f"{accs[0]:.1f}"
+    text = f"{mean(accs):.1f} ± {stdev(accs):.1f}" if len(accs) > 1 else f"{accs[0]:.1f}"
     if with_worst:
         text += f" ({mean(100 * worst(r) for r in done.values()):.1f})"
     text += f" <sub>s{','.join(map(str, sorted(done)))}</sub>"
