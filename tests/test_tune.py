@@ -374,7 +374,12 @@ def test_compare_tune_tunes_each_variant_and_tabulates_the_chosen_values(tmp_pat
     assert result.exit_code == 0, result.output
     table = (tmp_path / "comparison.md").read_text()
     assert "## Tuning: 2 trials x 1 rounds per variant, seeds 100,101 (mean), on val_acc (last)" in table
-    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| fed")}
+    results, tuning = table.split("## Tuning")
+    # the chosen values belong to the method (in its label): the rows are one setting, so no rank over "settings"
+    labels = [line.split("|")[1].strip() for line in results.splitlines() if line.startswith("| fed")]
+    assert [label.split()[0] for label in labels] == ["fedavg", "fedprox"] and "lr=" in labels[0]
+    assert "average rank" not in results, results
+    rows = {line.split("|")[1].strip(): line for line in tuning.splitlines() if line.startswith("| fed")}
     assert "train.lr=" in rows["fedavg"] and "algorithm.mu=" not in rows["fedavg"]
     assert "algorithm.mu=" in rows["fedprox"] and "train.lr=" in rows["fedprox"]
     assert all("| 2 | 4 of 4 |" in rows[v] for v in ("fedavg", "fedprox")), table  # the same: 2 x 1 round x 2 seeds

@@ -489,11 +489,14 @@ def run_comparison(
     run_dirs = {r.name: r.run_dir for r in results if r.status != "failed" or r.has_metrics}
     if not run_dirs:
         raise RunFailed(f"every run failed ({', '.join(failed)}); see their summary.json")
-    tabulate(list(run_dirs.values()), plan.out_dir, console, baseline=plan.baseline)
-    if tuned is not None:
-        from fedhet.tuning.compare import print_tuning, record_provenance
+    if tuned is not None:  # before the table: it reads which values a tuner chose from provenance.json
+        from fedhet.tuning.compare import record_provenance
 
         record_provenance(plan, tuned, list(run_dirs.values()))
+    tabulate(list(run_dirs.values()), plan.out_dir, console, baseline=plan.baseline)
+    if tuned is not None:
+        from fedhet.tuning.compare import print_tuning
+
         print_tuning(tuned, tune, plan.out_dir, console)
     if len(plan.points) > 1:  # and each grid point on its own, beside its runs
         for point, names in plan.points.items():
