@@ -48,6 +48,29 @@ def test_archive_copies_finished_cells_without_checkpoints(tmp_path):
     assert (dest / "dynamic" / "fedufo-s0" / "sampling.jsonl").read_text().startswith('{"round": 1')
 
 
+def test_archive_keeps_a_tunes_record_and_leaves_its_trial_runs_out_unless_asked(tmp_path):
+    archive = load(REPRODUCE / "archive.py")
+    runs, dest = tmp_path / "runs", tmp_path / "results"
+    make_run(runs / "two_classes" / "fedavg-s0", "finished", 3, 0.5)
+    tune = runs / "two_classes" / "tuning" / "fedavg"
+    make_run(tune / "trials" / "0", "finished", 2, 0.4)
+    (tune / "study.db").write_bytes(b"db")
+    running = runs / "two_classes" / "tuning" / "scaffold"  # a tune still searching: no tune.json yet
+    make_run(running / "trials" / "0", "finished", 2, 0.4)
+    (running / "study.db").write_bytes(b"db")
+    assert archive.archive(runs, dest) == ["two_classes/fedavg-s0"]  # the unfinished tune's record: not yet
+    (tune / "tune.json").write_text('{"best": null}')
+    (tune / "tune.md").write_text("# Tune fedavg")
+    assert archive.archive(runs, dest) == ["two_classes/tuning/fedavg"]
+    kept = dest / "two_classes" / "tuning" / "fedavg"
+    assert sorted(p.name for p in kept.iterdir()) == ["study.db", "tune.json", "tune.md"]
+    assert archive.archive(runs, dest) == []  # the same tune.json: left alone
+    assert archive.archive(runs, dest, trials=True) == [
+        "two_classes/tuning/fedavg/trials/0",
+        "two_classes/tuning/scaffold/trials/0",
+    ]
+
+
 def test_archive_keeps_failed_cells_only_when_asked_even_without_metrics(tmp_path):
     archive = load(REPRODUCE / "archive.py")
     runs, dest = tmp_path / "runs", tmp_path / "results"

@@ -17,6 +17,11 @@ record up to its last round, which is what counts as their rounds; a table must 
 metrics, if any, run to the last evaluation before the failure): a failure is a result too, e.g. DP noise that made
 every client's model non-finite.
 
+A tune's folder (``fedhet tune``, or ``tuning/<variant>`` of ``fedhet compare --tune``: one holding ``study.db``)
+keeps its record of the search, ``study.db`` (Optuna's SQLite study: every trial's values, reports and state),
+``tune.json`` and ``tune.md``, once its ``tune.json`` is written; its trial runs are left out unless ``--trials``
+(they are the search, and the study holds what they reported).
+
 ``--checkpoint-mb MB`` also keeps a cell's last checkpoint (``checkpoints/last.pt``) where it is at most MB and the
 run folder holds nothing else a resume needs (no client states spilled to disk), so a later run on another
 machine can extend the cell instead of running it again: ``archive.py --restore DEST RUNS_DIR`` copies every archived
@@ -34,6 +39,33 @@ import shutil
 from pathlib import Path
 
 FILES = ("config.json", "metrics.jsonl", "summary.json", "provenance.json", "sampling.jsonl", "failures.jsonl")
+TUNE_FILES = ("study.db", "tune.json", "tune.md")
+
+
+def tune_folders(root: Path) -> list[Path]:
+    """The tunes under ``root`` (folders holding study.db), finished or not."""
+    return sorted(db.parent for db in root.rglob("study.db"))
+
+
+def in_tune(run: Path, root: Path) -> bool:
+    return any((root / parent / "study.db").exists() for parent in run.relative_to(root).parents)
+
+
+def archive_tunes(root: Path, dest: Path) -> list[str]:
+    """Copy each finished tune's study.db, tune.json and tune.md (a newer tune.json replaces the copy)."""
+    copied = []
+    for tune in tune_folders(root):
+        if not (tune / "tune.json").exists():
+            continue
+        target = dest / tune.relative_to(root)
+        if (target / "tune.json").exists() and (target / "tune.json").read_bytes() == (tune / "tune.json").read_bytes():
+            continue
+        target.mkdir(parents=True, exist_ok=True)
+        for name in TUNE_FILES:
+            if (tune / name).exists():
+                shutil.copy2(tune / name, target / name)
+        copied.append(str(tune.relative_to(root)))
+    return copied
 
 
 def finished_runs(root: Path, statuses: tuple[str, ...] = ("finished",)) -> list[Path]:
@@ -74,12 +106,19 @@ def resumable_checkpoint(run: Path, limit_mb: float) -> Path | None:
 
 
 def archive(
-    root: Path, dest: Path, partial: bool = False, checkpoint_mb: float = 0.0, failed: bool = False
+    root: Path,
+    dest: Path,
+    partial: bool = False,
+    checkpoint_mb: float = 0.0,
+    failed: bool = False,
+    trials: bool = False,
 ) -> list[str]:
-    copied = []
+    copied = archive_tunes(root, dest)
     runs = set(logged_runs(root) if partial else finished_runs(root))
     if failed:
         runs |= set(finished_runs(root, ("failed",)))
+    if not trials:
+        runs = {run for run in runs if not in_tune(run, root)}
     for run in sorted(runs):
         target = dest / run.relative_to(root)
         if (target / "config.json").exists():
@@ -125,6 +164,7 @@ def main() -> None:
     parser.add_argument("--failed", action="store_true", help="also keep cells whose run failed (and why)")
     parser.add_argument("--checkpoint-mb", type=float, default=0.0, help="also keep last checkpoints up to this size")
     parser.add_argument("--restore", action="store_true", help="copy archived cells with a checkpoint back to runs")
+    parser.add_argument("--trials", action="store_true", help="also keep the trial runs of tunes")
     args = parser.parse_args()
     if args.restore:
         restored, present = restore(args.root, args.dest)
@@ -132,8 +172,8 @@ def main() -> None:
         if present:
             print("left alone (a run folder is already there):" + "".join(f"\n  {c}" for c in present))
         return
-    copied = archive(args.root, args.dest, args.partial, args.checkpoint_mb, args.failed)
-    print(f"archived {len(copied)} cell(s) into {args.dest}" + "".join(f"\n  {c}" for c in copied))
+    copied = archive(args.root, args.dest, args.partial, args.checkpoint_mb, args.failed, args.trials)
+    print(f"archived {len(copied)} cell(s) and tune(s) into {args.dest}" + "".join(f"\n  {c}" for c in copied))
 
 
 if __name__ == "__main__":
