@@ -107,6 +107,20 @@ def test_every_algorithm_on_flower_matches_the_simulation(tiny_config, algorithm
     assert torch.equal(final_params(flower_dir), final_params(local_dir))
 
 
+def test_personalised_validation_scores_cross_the_wire_like_the_simulations(tiny_config):
+    def cfg(name):
+        return tiny_config(
+            run={"rounds": 2, "name": name},
+            partition={"num_clients": 4, "local_test_fraction": 0.2, "validation_fraction": 0.2},
+            algorithm={"name": "fedrod"},
+        )
+
+    _, local_dir = in_process(cfg("local"))
+    run_flower(cfg("flower"))
+    got, want = records(local_dir.parent / "flower"), records(local_dir)
+    assert got == want and "val_personal_acc_micro" in want[-1] and "personal_acc_micro" in want[-1]
+
+
 def test_nodes_with_their_own_data_files_train_like_the_simulation(tiny_config, tmp_path):
     """data-path nodes: the same training (same global model and test accuracy); per-client metrics are the
     distribution-weighted ones since the server never sees a client's local test split. With augmentation, so the

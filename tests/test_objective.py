@@ -76,3 +76,26 @@ def test_the_objective_never_reads_the_test_set(tiny_config):
             assert objective(clean, metric, reduce) == objective(poisoned, metric, reduce)
     accs = [read_metrics(folder / "metrics.jsonl")[-1]["test_acc"] for folder in (clean, poisoned)]
     assert accs[0] != accs[1] and accs[0] > 0.5
+
+
+def test_personalised_models_are_scored_on_the_clients_validation_data_too(tiny_config):
+    """SphereFed personalises to the global model itself, so with every client trained its clients' own models on
+    their own validation data score what the global model scores there: val_personal_acc_micro == val_acc. FedRoD's
+    personal heads score differently; both log the test-split numbers as before."""
+    import fedhet
+
+    everyone = {"participation": 1.0, "local_epochs": 1, "batch_size": 16, "lr": 0.1}
+    splits = {"validation_fraction": 0.2, "local_test_fraction": 0.2}
+    cfg = tiny_config(algorithm={"name": "spherefed"}, partition=splits, train=everyone, run={"rounds": 2})
+    last = fedhet.run(cfg).records[-1]
+    assert last["val_personal_acc_micro"] == pytest.approx(last["val_acc"], abs=1e-12)
+    assert last["val_personal_acc_macro"] == pytest.approx(last["val_client_acc_mean"], abs=1e-12)
+    assert "personal_acc_micro" in last and last["personal_clients"] == 6
+    cfg = tiny_config(algorithm={"name": "fedrod"}, partition=splits, train=everyone, run={"rounds": 2})
+    result = fedhet.run(cfg)
+    last = result.records[-1]
+    assert 0 <= last["val_personal_acc_micro"] <= 1
+    assert last["val_personal_acc_macro"] != pytest.approx(last["val_client_acc_mean"], abs=1e-6)  # its own heads
+    assert objective(result.run_dir, "val_personal_acc_micro") == last["val_personal_acc_micro"]
+    no_val = tiny_config(algorithm={"name": "fedrod"}, partition={"local_test_fraction": 0.2}, train=everyone)
+    assert not any(k.startswith("val_") for k in fedhet.run(no_val).records[-1])

@@ -330,7 +330,11 @@ def tune(
     set_: SetOpt = None,
     space: SpaceOpt = None,
     metric: Annotated[
-        str, typer.Option("--metric", help="The validation metric to optimise: val_acc, val_loss, val_client_acc_*.")
+        str,
+        typer.Option(
+            "--metric",
+            help="The validation metric to optimise: val_acc, val_loss, val_client_acc_*, val_personal_acc_*.",
+        ),
     ] = "val_acc",
     reduce: Annotated[
         str, typer.Option("--reduce", help="A run's objective: its metric at the 'last' evaluation, or its 'best'.")

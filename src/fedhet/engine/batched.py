@@ -70,7 +70,7 @@ from fedhet.algorithms.functional import Apply, record_aux, split_loss
 from fedhet.data.device import to_device
 from fedhet.data.types import ClientData
 from fedhet.engine.checkpoint import StateFileError
-from fedhet.engine.client import ClientRunner, LocalExecutor, check_finite, failure_record
+from fedhet.engine.client import ClientRunner, LocalExecutor, PersonalScores, check_finite, failure_record
 from fedhet.engine.memory import available_memory
 from fedhet.engine.state import MemoryStateStore
 from fedhet.toolkit.flat import FlatModel, FlatVectors, named_views, parameter_layout
@@ -284,7 +284,7 @@ class BatchedExecutor:
 
     def personal_accuracies(
         self, rnd: int, cids: list[int], msg: Message, batch_size: int
-    ) -> dict[int, tuple[int, int]]:
+    ) -> dict[int, PersonalScores]:
         return self.sequential.personal_accuracies(rnd, cids, msg, batch_size)
 
     def state_dict(self) -> dict[str, Any]:

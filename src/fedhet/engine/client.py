@@ -34,6 +34,8 @@ from fedhet.toolkit.local import derive_seed
 
 # reply tensors of run.eval_local_models; the simulation takes them out before the algorithm aggregates
 LOCAL_PARAMS, LOCAL_BUFFERS = "local_params", "local_buffers"
+# a personalised model's (correct, total) on the client's local test split ("test") and validation data ("val")
+PersonalScores = dict[str, tuple[int, int]]
 
 
 class ClientRunner:
@@ -133,9 +135,16 @@ class ClientRunner:
 
     def personal_accuracy(
         self, cid: int, rnd: int, msg: Message, data: ClientData, state: State, batch_size: int
-    ) -> tuple[int, int] | None:
-        """(correct, total) of the client's personalised model on its local test split, or None if it has none."""
-        if data.y_test is None or len(data.y_test) == 0:
+    ) -> PersonalScores | None:
+        """(correct, total) of the client's personalised model on its local test split (``"test"``) and on its
+        validation data (``"val"``), for each it has; None if it has neither. The model is personalised once for
+        both."""
+        splits = {
+            name: (x, y)
+            for name, x, y in (("test", data.x_test, data.y_test), ("val", data.x_val, data.y_val))
+            if y is not None and len(y)
+        }
+        if not splits:
             return None
         ctx = self.context(cid, rnd, 0xE7A1, "personalize", msg, data, state)
         with self.client_rank(cid):
@@ -146,8 +155,11 @@ class ClientRunner:
             buffers = self.algo.personal_buffers(ctx)  # the global ones or the client's own, never another client's
             if buffers is not None:
                 self.flat.set_buffers(buffers)
-            stats = evaluate(self.model, data.x_test, data.y_test, data.num_classes, batch_size)
-        return int(round(stats.correct.sum())), stats.n
+            out = {}
+            for name, (x, y) in splits.items():
+                stats = evaluate(self.model, x, y, data.num_classes, batch_size)
+                out[name] = (int(round(stats.correct.sum())), stats.n)
+        return out
 
 
 def check_finite(reply: Reply, state: State) -> None:
@@ -188,7 +200,7 @@ class Executor(Protocol):
 
     def personal_accuracies(
         self, rnd: int, cids: list[int], msg: Message, batch_size: int
-    ) -> dict[int, tuple[int, int]]: ...
+    ) -> dict[int, PersonalScores]: ...
 
     def state_dict(self) -> dict[str, Any]:
         """The client-held state as of now, for a checkpoint (plain data and tensors only)."""
@@ -250,7 +262,7 @@ class LocalExecutor:
 
     def personal_accuracies(
         self, rnd: int, cids: list[int], msg: Message, batch_size: int
-    ) -> dict[int, tuple[int, int]]:
+    ) -> dict[int, PersonalScores]:
         out = {}
         for cid in cids:
             acc = self.runner.personal_accuracy(cid, rnd, msg, self.clients[cid], self.store.get(cid), batch_size)

@@ -189,7 +189,9 @@ class Evaluator:
         return out
 
     def personal_metrics(self, rnd: int) -> dict[str, Any]:
-        """Each client's personalised model on its local test split (micro and macro averages).
+        """Each client's personalised model on its local test split (micro and macro averages), and where clients
+        hold validation data on that too (``val_<prefix>_acc_micro``, ``_macro``: what a tuner of a personalised
+        method reads).
 
         Only clients that have trained at least once are evaluated; the others are counted, not silently scored
         with the global model."""
@@ -202,15 +204,10 @@ class Evaluator:
         counts = {f"{p}_never_sampled": self.eval_fed.num_clients - len(seen)}
         if len(cids) < len(seen):
             counts[f"{p}_sample"] = len(cids)  # a seeded sample of the clients that have trained
-        if not accs:
-            return {f"{p}_clients": 0, **counts}
-        correct, total = np.array(list(accs.values())).sum(axis=0)
-        return {
-            f"{p}_acc_micro": float(correct / max(total, 1)),
-            f"{p}_acc_macro": float(np.mean([c / max(n, 1) for c, n in accs.values()])),
-            f"{p}_clients": len(accs),
-            **counts,
-        }
+        tests = [s["test"] for s in accs.values() if "test" in s]
+        vals = [s["val"] for s in accs.values() if "val" in s]
+        out = {**averages(tests, p), f"{p}_clients": len(tests), **counts}
+        return out | {f"val_{k}": v for k, v in averages(vals, p).items()}
 
     def personal_sample(self, rnd: int, seen: list[int]) -> list[int]:
         """At most ``run.personal_eval_clients`` of ``seen``: each personalised model costs a pass over its client's
@@ -220,3 +217,14 @@ class Evaluator:
             return seen
         rng = np.random.default_rng(derive_seed(self.cfg.run.seed, rnd, 0xE7A1))
         return sorted(int(c) for c in rng.choice(seen, size=limit, replace=False))
+
+
+def averages(scores: list[tuple[int, int]], prefix: str) -> dict[str, float]:
+    """Micro (over samples) and macro (over clients) accuracy of (correct, total) pairs; none for no pairs."""
+    if not scores:
+        return {}
+    correct, total = np.array(scores).sum(axis=0)
+    return {
+        f"{prefix}_acc_micro": float(correct / max(total, 1)),
+        f"{prefix}_acc_macro": float(np.mean([c / max(n, 1) for c, n in scores])),
+    }

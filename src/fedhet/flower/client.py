@@ -183,7 +183,10 @@ def personal_accuracy(node: NodeClients, msg: FlowerMessage, store: NodeStateSto
     acc = node.runner.personal_accuracy(
         cid, int(meta["round"]), fed_msg, node.data(cid), state, int(meta["batch_size"])
     )
-    values = {} if acc is None else {"correct": acc[0], "total": acc[1]}
+    values = {}  # test: correct, total; validation: val_correct, val_total
+    for split, (correct, total) in (acc or {}).items():
+        prefix = "" if split == "test" else f"{split}_"
+        values |= {f"{prefix}correct": correct, f"{prefix}total": total}
     return RecordDict({codec.METRICS: MetricRecord(values)})
 
 

@@ -375,7 +375,7 @@ class FlowerExecutor:
 
     def personal_accuracies(
         self, rnd: int, cids: list[int], msg: Message, batch_size: int
-    ) -> dict[int, tuple[int, int]]:
+    ) -> dict[int, dict[str, tuple[int, int]]]:
         sent = self.messages("evaluate", rnd, dict.fromkeys(cids, msg), {"batch_size": batch_size})
         answers, missing = self.exchange(sent)
         out = {}
@@ -385,8 +385,13 @@ class FlowerExecutor:
                 log.warning("personalised evaluation of client %s failed: %s", cid, error_text(answer))
                 continue
             values = answer.content[codec.METRICS]
-            if "correct" in values:
-                out[cid] = (int(values["correct"]), int(values["total"]))
+            scores = {
+                split: (int(values[f"{prefix}correct"]), int(values[f"{prefix}total"]))
+                for split, prefix in (("test", ""), ("val", "val_"))
+                if f"{prefix}correct" in values
+            }
+            if scores:
+                out[cid] = scores
         for cid, why in missing.items():
             log.warning("personalised evaluation of client %s: %s", cid, why)
         return dict(sorted(out.items()))

@@ -45,6 +45,11 @@ METRICS = (
     "val_client_acc_worst10",
     "val_acc_smallest_client",
     "val_acc_largest_client",
+    # a personalised method's clients' own models on their own validation data (engine/evaluation.py)
+    "val_personal_acc_micro",
+    "val_personal_acc_macro",
+    "val_personal_leaky_acc_micro",  # Per-FedAvg's and Per-FedBC's leaky evaluation
+    "val_personal_leaky_acc_macro",
 )
 # a grid sampler's points per float range (log ranges: geometric), and at most this many per integer range
 GRID_POINTS = 3
