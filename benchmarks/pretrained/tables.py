@@ -110,12 +110,20 @@ def advantage_table(out: Path, rounds: int) -> list[str]:
 
 
 def message_bytes(run: Path) -> tuple[int, int]:
-    """(trainable parameters, bytes of one model message) of a run's model, built from its config."""
-    from fedhet.engine.simulation import Simulation
+    """(trainable parameters, bytes of one model message) of a run's model, built from its config (reading the
+    pretrained run's checkpoint; nothing is written)."""
+    from fedhet.config import build_config
+    from fedhet.engine.simulation import build_training
     from fedhet.engine.system import model_bytes
+    from fedhet.engine.training import build_federation
 
-    sim = Simulation(load_config(run / "config.json"))
-    return sim.flat.params.numel(), model_bytes(sim.flat.params, sim.flat.buffers)
+    cfg = build_config(json.loads((run / "config.json").read_text()))
+    flat = build_training(cfg, build_federation(cfg)).flat
+    return flat.params.numel(), model_bytes(flat.params, flat.buffers)
+
+
+def size_text(size: int) -> str:
+    return f"{size / 2**20:.2f} MiB" if size >= 2**20 else f"{size / 1024:.1f} KiB"
 
 
 def bytes_table(out: Path) -> list[str]:
@@ -138,7 +146,7 @@ def bytes_table(out: Path) -> list[str]:
             lines.append(f"| {mode_name} | – | – | – |")
             continue
         count, size = message_bytes(run)
-        lines.append(f"| {mode_name} | {count:,} | {size / 1024:.1f} KiB | {2 * clients * size / 2**20:.2f} MiB |")
+        lines.append(f"| {mode_name} | {count:,} | {size_text(size)} | {size_text(2 * clients * size)} |")
     return lines
 
 
