@@ -19,6 +19,7 @@ from pathlib import Path
 from statistics import mean, stdev
 
 from fedhet.config import load_config
+from fedhet.results.store import read_metrics
 
 MODES = {"scratch": "from scratch", "full": "full fine-tuning", "probe": "linear probe", "lora": "LoRA r=4"}
 KINDS = {"iid": "IID", "dir0.1": "Dir(0.1)", "two_classes": "2 classes"}
@@ -29,16 +30,9 @@ CONFIG = Path(__file__).parent / "fmnist.toml"
 
 
 def records(run: Path) -> list[dict]:
+    """The run's evaluation records (a line torn by a kill ends them)."""
     path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line torn by a kill: the records before it stand
-            break
-    return out
+    return read_metrics(path, lambda _: None) if path.exists() else []
 
 
 def runs(out: Path, mode: str, kind: str, method: str) -> dict[int, list[dict]]:

@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from statistics import mean, stdev
 
+from fedhet.results.store import read_metrics
+
 HERE = Path(__file__).parent
 DEFAULTS = HERE.parent / "noniid" / "results"
 ARCHIVE = HERE / "results"
@@ -29,7 +31,7 @@ def _method(folder: Path, method: str) -> dict[int, float]:
     out = {}
     for run in sorted(folder.glob(f"{method}-s[0-9]*")):
         path = run / "metrics.jsonl"
-        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        lines = read_metrics(path, lambda _: None) if path.exists() else []  # a line torn by a kill ends them
         if lines and lines[-1]["round"] >= ROUNDS:
             out[int(run.name.rsplit("-s", 1)[1])] = 100 * lines[-1]["test_acc"]
     return out

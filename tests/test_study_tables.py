@@ -1,0 +1,69 @@
+"""The tables of docs/tuning.md's and docs/pretrained.md's studies (benchmarks/tuning/tables.py,
+benchmarks/pretrained/tables.py) from run folders: finished seeds only, sample std, differences paired by seed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+
+
+def load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_run(folder: Path, accs: list[tuple[int, float]], **extra) -> None:
+    folder.mkdir(parents=True)
+    text = "".join(json.dumps({"round": r, "test_acc": a, **extra}) + "\n" for r, a in accs)
+    (folder / "metrics.jsonl").write_text(text)
+
+
+def test_tuning_table_sets_each_tuned_cell_beside_its_default_with_ranks_and_budget(tmp_path, monkeypatch):
+    tables = load(BENCHMARKS / "tuning" / "tables.py", "tuning_tables")
+    monkeypatch.setattr(tables, "DEFAULTS", tmp_path / "defaults")
+    monkeypatch.setattr(tables, "ARCHIVE", tmp_path / "archive")
+    out = tmp_path / "out"
+    for seed, (default, tuned) in enumerate([(0.60, 0.50), (0.62, 0.56), (0.64, 0.60)]):
+        write_run(tmp_path / "defaults" / "two_classes" / f"fedavg-s{seed}", [(30, default)])
+        write_run(out / "two_classes" / f"fedavg-s{seed}", [(30, tuned)])
+        write_run(tmp_path / "defaults" / "two_classes" / f"scaffold-s{seed}", [(30, 0.40)])
+        write_run(out / "two_classes" / f"scaffold-s{seed}", [(30, 0.70)])
+    write_run(out / "two_classes" / "moon-s0", [(15, 0.9)])  # not finished: no tuned cell yet
+    tune = out / "two_classes" / "tuning" / "fedavg"
+    tune.mkdir(parents=True)
+    budget = {"trials": 16, "complete": 9, "pruned": 7, "rounds_run": 170, "rounds_nominal": 240}
+    (tune / "tune.json").write_text(json.dumps({"best": {"params": {"train.lr": 0.002}}, "budget": budget}))
+    rows = {line.split("|")[1].strip(): line for line in tables.kind_table(out, "two_classes")[2:]}
+    assert rows["fedavg"].split(" | ")[1:] == [
+        "62.0 ± 2.0 <sub>s0,1,2</sub>",
+        "55.3 ± 5.0 <sub>s0,1,2</sub>",
+        "-6.7 ± 3.1 <sub>s0,1,2</sub>",
+        "1 → 2",
+        "lr=0.002",
+        "9+7 of 16, 170/240 rounds |",
+    ]
+    assert "| 2 → 1 |" in rows["scaffold"] and "+30.0 ± 0.0 <sub>s0,1,2</sub>" in rows["scaffold"]
+    assert rows["moon"].split(" | ")[2] == "–"
+    assert "n/a¹" in rows["fedbn"]
+
+
+def test_pretrained_table_gives_the_gap_paired_by_seed_and_fedavgs_advantage(tmp_path, monkeypatch):
+    tables = load(BENCHMARKS / "pretrained" / "tables.py", "pretrained_tables")
+    monkeypatch.setattr(tables, "ARCHIVE", tmp_path / "archive")
+    out = tmp_path / "out"
+    for seed, (iid, skew) in enumerate([(0.80, 0.50), (0.82, 0.60)]):
+        write_run(out / "full" / "iid" / f"fedavg-s{seed}", [(20, iid)])
+        write_run(out / "full" / "two_classes" / f"fedavg-s{seed}", [(20, skew)])
+        write_run(out / "full" / "two_classes" / f"scaffold-s{seed}", [(20, skew + 0.05)])
+    write_run(out / "full" / "dir0.1" / "fedavg-s0", [(5, 0.3)])
+    rows = [r for r in tables.accuracy_table(out, 20) if r.startswith("| full fine-tuning | fedavg |")]
+    cells = rows[0].split(" | ")[2:]
+    assert cells[0] == "81.0 ± 1.4 <sub>s0,1</sub>" and cells[1] == "(running: round 5)"
+    assert cells[2] == "55.0 ± 7.1 <sub>s0,1</sub>" and cells[4] == "26.0 ± 5.7 <sub>s0,1</sub> |"
+    advantage = [r for r in tables.advantage_table(out, 20) if r.startswith("| full fine-tuning |")][0]
+    assert "+5.0 ± 0.0 <sub>s0,1</sub>" in advantage
