@@ -151,7 +151,7 @@ def plot(out: Path, path: Path, rounds: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(KINDS), figsize=(15, 4.2), sharey=True)
+    fig, axes = plt.subplots(1, len(KINDS), figsize=(15, 5), sharey=True)
     colours = plt.get_cmap("tab10")
     for ax, (kind, title) in zip(axes, KINDS.items(), strict=True):
         for i, (mode, mode_name) in enumerate(MODES.items()):
@@ -170,9 +170,10 @@ def plot(out: Path, path: Path, rounds: int) -> None:
         ax.set_xlim(0, rounds)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("global test accuracy (%)")
-    axes[-1].legend(fontsize=8, loc="lower right")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=9)
     fig.suptitle("vit_tiny fine-tuned federated on Fashion-MNIST classes 5-9, 10 clients (benchmarks/pretrained)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=110)
 
 
