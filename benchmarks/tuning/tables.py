@@ -1,13 +1,16 @@
 """The tables of docs/tuning.md's study from run.sh's folders, beside docs/non-iid.md's default-settings cells.
 
-Usage: python benchmarks/tuning/tables.py [OUT]   (OUT default runs/tuning-fmnist)
+Usage: python benchmarks/tuning/tables.py [OUT] [--claims DIR]   (defaults runs/tuning-fmnist, runs/tuning-claims)
 
 For each kind, one row per method: its default-settings cell (benchmarks/noniid/results: fmnist.toml's settings,
 train.lr 0.01, no validation split), its tuned cell (OUT/<kind>/<method>-s<seed>, else the archived copy in
 benchmarks/tuning/results), the tuned minus default difference paired by seed, the values its tune chose, and the
 tune's budget (trials complete + pruned, rounds run of the nominal trials x rounds). A cell is the final
 evaluation's global test accuracy, mean ± sample std over the seeds that reached round 30, with those seeds; ranks
-are by that mean among the methods with a finished cell in both columns (FedBN, with no global model, has none)."""
+are by that mean among the methods with a finished cell in both columns (FedBN, with no global model, has none).
+
+Then the claims (claims.sh): per seed paper, its method and its strongest baseline, both tuned, with the method
+minus the baseline paired by seed (95 % paired bootstrap interval and Wilcoxon's p, fedhet.results.stats)."""
 
 from __future__ import annotations
 
@@ -78,7 +81,7 @@ def kind_table(out: Path, kind: str) -> list[str]:
     for m in METHODS:
         values, budget = chosen(tune_summary(out, kind, m))
         if m in NO_GLOBAL_MODEL:
-            lines.append(f"| {m} | n/a¹ | n/a¹ | | | {values} | {budget} |")
+            lines.append(f"| {m} | n/a¹ | n/a¹ | | | | |")
             continue
         shared = sorted(set(default[m]) & set(tuned[m]))
         diff = spread({s: tuned[m][s] - default[m][s] for s in shared}, signed=True)
@@ -88,14 +91,76 @@ def kind_table(out: Path, kind: str) -> list[str]:
     return lines
 
 
+# claims.sh: each seed paper's method and its strongest baseline on the paper's claims-row protocol
+CLAIMS = {
+    "fedbc": ("fedbc", "qfedavg"),
+    "fedrane": ("fedrane", "fedavg"),
+    "fedacd": ("fedacd", "fedrod"),
+    "fedrcl": ("fedrcl", "fedlc"),
+    "fedufo": ("fedufo", "fedavg"),
+}
+CLAIMS_ARCHIVE = HERE / "results-claims"
+
+
+def finished(folder: Path) -> dict[int, float]:
+    """seed -> final test accuracy (%) of the runs <method>-s<seed> in ``folder`` whose summary says finished."""
+    out = {}
+    for summary in sorted(folder.parent.glob(f"{folder.name}-s[0-9]*/summary.json")):
+        info = json.loads(summary.read_text())
+        if info.get("status") == "finished":
+            records = read_metrics(summary.parent / "metrics.jsonl", lambda _: None)
+            out[int(summary.parent.name.rsplit("-s", 1)[1])] = 100 * records[-1]["test_acc"]
+    return out
+
+
+def claims_table(out: Path) -> list[str]:
+    """Per paper: both methods' final test accuracy after tuning, and the method minus its baseline paired by seed
+    (95 % paired bootstrap interval, Wilcoxon p: fedhet.results.stats, as fedhet compare gives them)."""
+    from fedhet.results.stats import paired_difference
+
+    head = ["paper", "method (tuned)", "baseline (tuned)", "method − baseline [95 % CI], p", "chosen"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---|" * (len(head) - 1)]
+    for paper, (method, baseline) in CLAIMS.items():
+        runs = {}
+        for name in (method, baseline):
+            runs[name] = {**finished(CLAIMS_ARCHIVE / paper / name), **finished(out / paper / name)}
+        if not runs[method] or not runs[baseline]:
+            lines.append(f"| {paper} | {method}: not run yet | {baseline}: not run yet | | |")
+            continue
+        seeds = sorted(set(runs[method]) & set(runs[baseline]))
+        diff = paired_difference([runs[method][s] for s in seeds], [runs[baseline][s] for s in seeds])
+        text = "–" if diff.mean is None else f"{diff.mean:+.2f} [{diff.ci_low:+.2f}, {diff.ci_high:+.2f}] {diff.marker}"
+        text += "" if diff.p is None else f", p = {diff.p:.2f}"
+        picks = []
+        for name in (method, baseline):
+            summary = next(
+                (
+                    json.loads(p.read_text())
+                    for p in (
+                        out / paper / "tuning" / name / "tune.json",
+                        CLAIMS_ARCHIVE / paper / "tuning" / name / "tune.json",
+                    )
+                    if p.exists()
+                ),
+                None,
+            )
+            picks.append(chosen(summary)[0])
+        cells = [f"{method} {spread(runs[method])}", f"{baseline} {spread(runs[baseline])}", text, "; ".join(picks)]
+        lines.append(f"| {paper} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", default="runs/tuning-fmnist", type=Path)
+    parser.add_argument("--claims", type=Path, default=Path("runs/tuning-claims"), help="claims.sh's output folder")
     args = parser.parse_args()
     for kind, title in KINDS.items():
         print(f"\n### {title}: global test accuracy (%) after {ROUNDS} rounds\n")
         print("\n".join(kind_table(args.out, kind)))
-    print("\n¹ FedBN has no global model (each client keeps its BatchNorm layers); its tune still ran, on val_acc.")
+    print("\n¹ FedBN has no global model (each client keeps its BatchNorm layers): left out of the tuned study.")
+    print("\n### The claims, both methods tuned: final test accuracy (%)\n")
+    print("\n".join(claims_table(args.claims)))
 
 
 if __name__ == "__main__":
