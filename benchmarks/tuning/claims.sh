@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The "tuned" column of docs/reproductions.md's claims table (docs/tuning.md): for each seed paper's closest
-# protocol on the claims page, the seed method and its strongest baseline there, each tuned at the same budget on
+# protocol on the claims page, the seed method and its strongest baseline(s) there, each tuned at the same budget on
 # validation data (10 % of each client's training share), then run with the chosen values on seeds 0-2.
-#   fedbc    Synthetic(0.5, 0.5), E = 1, T = 50 (benchmarks/reproduce/fedbc)      FedBC against q-FedAvg
+#   fedbc    Synthetic(0.5, 0.5), E = 1, T = 50 (benchmarks/reproduce/fedbc)      FedBC against q-FedAvg, SCAFFOLD
 #   fedrane  Fashion-MNIST, Dir(5), 5 rounds (the CPU cells of the claims row)     FedRANE against FedAvg
 #   fedacd   Fashion-MNIST 10 %, Dir(0.1), 30 rounds                               FedACD against FedRoD
 #   fedrcl   Fashion-MNIST, balanced Dir(0.3), LeNet-5, 40 rounds                  FedRCL against FedLC
@@ -22,7 +22,7 @@ root=benchmarks/reproduce
 
 protocol() {  # config, overrides, variants and tuning rounds of one paper's claims row
   case $1 in
-    fedbc) echo "-c $root/fedbc/synthetic.toml -v fedbc,qfedavg --tune-rounds 25" ;;
+    fedbc) echo "-c $root/fedbc/synthetic.toml -v fedbc,qfedavg,scaffold --tune-rounds 25" ;;
     fedrane) echo "-c $root/fedrane/fmnist.toml -s partition.alpha=5 -s run.rounds=5 -v fedrane,fedavg --tune-rounds 5" ;;
     fedacd) echo "-c $root/fedacd/fmnist.toml -s partition.alpha=0.1 -v fedacd,fedrod --tune-rounds 15" ;;
     fedrcl) echo "-c $root/fedrcl/fmnist.toml -v fedrcl,fedlc --tune-rounds 20" ;;
