@@ -15,6 +15,8 @@ from fedhet.errors import ConfigError
 from fedhet.results.store import read_metrics
 
 VALIDATION_PREFIX = "val_"
+# the SQLite study a tune keeps in its folder (fedhet.tuning.study); a folder holding one is a tune's
+STUDY_FILE = "study.db"
 Reduce = Literal["last", "best"]
 
 

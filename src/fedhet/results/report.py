@@ -27,6 +27,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from fedhet.errors import ConfigError, FedhetError
+from fedhet.results.objective import STUDY_FILE
 from fedhet.results.stats import (
     BOOTSTRAP_SEED,
     HIGHER,
@@ -227,8 +228,6 @@ def load_runs(paths: list[str | Path], warn: Warn = None) -> list[Run]:
 
 def _in_tune_below(folder: Path, top: Path) -> bool:
     """Whether ``folder`` lies in a tune folder (one with study.db) strictly below ``top``."""
-    from fedhet.tuning.study import STUDY_FILE
-
     for parent in folder.relative_to(top).parents:
         if parent != Path(".") and (top / parent / STUDY_FILE).exists():
             return True

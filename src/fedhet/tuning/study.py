@@ -27,10 +27,9 @@ from filelock import FileLock
 
 from fedhet.config import Config
 from fedhet.errors import ConfigError
-from fedhet.results.objective import check_objective_metric, direction
+from fedhet.results.objective import STUDY_FILE, check_objective_metric, direction
 from fedhet.tuning.space import Choice, IntRange, LogUniform, SearchSpace
 
-STUDY_FILE = "study.db"
 SAMPLERS = ("tpe", "random", "grid")
 PRUNERS = ("none", "median", "hyperband")
 REDUCES = ("last", "best")
