@@ -36,6 +36,8 @@ def test_last_and_best_with_the_metric_s_direction(tmp_path):
     assert objective(tmp_path) == 0.6
     assert objective(tmp_path, reduce="best") == 0.7
     assert objective(tmp_path, "val_loss", "best") == 0.9
+    assert objective(tmp_path, reduce="last2") == pytest.approx(0.65)  # the mean of the last two evaluations
+    assert objective(tmp_path, reduce="last5") == pytest.approx(1.7 / 3)  # all three where there are fewer
     assert (direction("val_acc"), direction("val_loss")) == ("maximize", "minimize")
 
 
@@ -43,14 +45,16 @@ def test_a_diverged_run_scores_nan_last_and_its_finite_best(tmp_path):
     write_log(tmp_path, {"val_loss": 1.5}, {"val_loss": float("nan")})  # stored as null
     assert math.isnan(objective(tmp_path, "val_loss"))
     assert objective(tmp_path, "val_loss", "best") == 1.5
+    assert math.isnan(objective(tmp_path, "val_loss", "last2"))  # a diverged run's mean is NaN too
 
 
 def test_a_run_without_validation_metrics_names_the_setting(tmp_path):
     write_log(tmp_path, {"test_acc": 0.9})
     with pytest.raises(ConfigError, match="partition.validation_fraction > 0"):
         objective(tmp_path)
-    with pytest.raises(ConfigError, match="reduce must be 'last' or 'best'"):
-        objective(tmp_path, reduce="mean")
+    for bad in ("mean", "last1", "last0", "lastx"):
+        with pytest.raises(ConfigError, match=rf"unknown reduce '{bad}'; choose 'last', 'best' or 'last<K>'"):
+            objective(tmp_path, reduce=bad)
 
 
 def test_the_objective_never_reads_the_test_set(tiny_config):

@@ -66,7 +66,7 @@ def plan(tmp_path: Path, *more: str, space=("train.lr",), trials: int = 3, **set
         ({"trials": 0}, "--trials 0: give the number of trials"),
         ({"sampler": "bayes"}, "unknown --sampler 'bayes'; choose one of: tpe, random, grid"),
         ({"pruner": "asha"}, "unknown --pruner 'asha'; choose one of: none, median, hyperband"),
-        ({"reduce": "mean"}, "unknown --reduce 'mean'"),
+        ({"reduce": "mean"}, "unknown --reduce 'mean'; choose 'last', 'best' or 'last<K>'"),
     ],
 )
 def test_bad_settings_are_refused_before_anything_runs(tmp_path, kwargs, message):

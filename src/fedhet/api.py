@@ -384,10 +384,11 @@ def tune(
     ``space``: ``-t`` specs added to the algorithm's declared space (``["train.lr", "algorithm.mu=log:1e-3:1"]``);
     ``trials``: the total number of trials (a resumed tune runs the missing ones); ``metric``: a validation metric
     (``val_acc``, ``val_loss``, ...; a test metric is refused); ``reduce``: its ``last`` or ``best`` value over a
-    run's evaluations; ``sampler``: ``tpe`` (seeded from ``run.seed``), ``random`` or ``grid``; ``pruner``:
-    ``median``, ``hyperband`` or ``none``; ``jobs``: trials at once, in worker processes. The tune folder is
-    ``run.out_dir/run.name`` (``name=``; default ``tune-<the run's name>``): ``study.db``, ``trials/<number>`` (one
-    run folder per trial), ``tune.json``, ``tune.md``. Raises ``RunFailed`` when no trial completed."""
+    run's evaluations, or ``last3`` (the mean of the last three; any ``last<K>``); ``sampler``: ``tpe`` (seeded
+    from ``run.seed``), ``random`` or ``grid``; ``pruner``: ``median``, ``hyperband`` or ``none``; ``jobs``: trials
+    at once, in worker processes. The tune folder is ``run.out_dir/run.name`` (``name=``; default ``tune-<the run's
+    name>``): ``study.db``, ``trials/<number>`` (one run folder per trial), ``tune.json``, ``tune.md``. Raises
+    ``RunFailed`` when no trial completed."""
     from rich.console import Console
 
     from fedhet.cells import parse_jobs

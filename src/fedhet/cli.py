@@ -256,7 +256,10 @@ def compare(
         str, typer.Option("--metric", help="With --tune: the validation metric to optimise (val_acc, val_loss...).")
     ] = "val_acc",
     reduce: Annotated[
-        str, typer.Option("--reduce", help="With --tune: a run's objective is its 'last' or 'best' value.")
+        str,
+        typer.Option(
+            "--reduce", help="With --tune: a run's objective is its 'last' value, its 'best', or 'last3' (mean of 3)."
+        ),
     ] = "last",
     sampler: Annotated[str, typer.Option("--sampler", help="With --tune: tpe, random or grid.")] = "tpe",
     pruner: Annotated[str, typer.Option("--pruner", help="With --tune: median, hyperband or none.")] = "median",
@@ -337,7 +340,11 @@ def tune(
         ),
     ] = "val_acc",
     reduce: Annotated[
-        str, typer.Option("--reduce", help="A run's objective: its metric at the 'last' evaluation, or its 'best'.")
+        str,
+        typer.Option(
+            "--reduce",
+            help="A run's objective: its metric at the 'last' evaluation, its 'best', or 'last3' (mean of the last 3).",
+        ),
     ] = "last",
     sampler: Annotated[
         str, typer.Option("--sampler", help="tpe (seeded from run.seed), random, or grid (3 points per float range).")

@@ -8,6 +8,7 @@ A tuner that chose hyper-parameters by test accuracy would report a test accurac
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -17,7 +18,21 @@ from fedhet.results.store import read_metrics
 VALIDATION_PREFIX = "val_"
 # the SQLite study a tune keeps in its folder (fedhet.tuning.study); a folder holding one is a tune's
 STUDY_FILE = "study.db"
-Reduce = Literal["last", "best"]
+# "last", "best", or "last<K>": the mean of the last K evaluations (a steadier reading of a noisy curve)
+Reduce = str
+REDUCE_CHOICES = "'last', 'best' or 'last<K>' (the mean of the last K evaluations, K >= 2, e.g. last3)"
+
+
+def reduce_window(reduce: str) -> int | None:
+    """The K of ``last<K>`` (1 for ``last``), None for ``best``; anything else is refused in one line."""
+    if reduce == "best":
+        return None
+    if reduce == "last":
+        return 1
+    match = re.fullmatch(r"last([0-9]+)", reduce) if isinstance(reduce, str) else None
+    if match is None or int(match.group(1)) < 2:
+        raise ConfigError(f"unknown reduce {reduce!r}; choose {REDUCE_CHOICES}")
+    return int(match.group(1))
 
 
 def check_objective_metric(metric: str) -> None:
@@ -37,15 +52,15 @@ def direction(metric: str) -> Literal["maximize", "minimize"]:
 
 def objective(run_dir: str | Path, metric: str = "val_acc", reduce: Reduce = "last") -> float:
     """The value a tuner scores a finished (or pruned) run by: ``metric`` at the run's last evaluation
-    (``reduce="last"``), or its best over all evaluations (``"best"``: the largest accuracy, the smallest loss).
+    (``reduce="last"``), its best over all evaluations (``"best"``: the largest accuracy, the smallest loss), or the
+    mean of its last K evaluations (``"last3"``; all of them where it has fewer; NaN if one of them is).
 
     Only validation metrics (``val_*``) are read; any other, ``test_acc`` above all, is refused with one line. A
     diverged run's last value is NaN (metrics.jsonl stores it as null), and ``"best"`` skips NaN values (NaN when
     every value is). A run that logged no such metric (no validation data, or not evaluated yet) is an error naming
     the setting."""
     check_objective_metric(metric)
-    if reduce not in ("last", "best"):
-        raise ConfigError(f"objective reduce must be 'last' or 'best', not {reduce!r}")
+    window = reduce_window(reduce)
     path = Path(run_dir) / "metrics.jsonl"
     records = [r for r in read_metrics(path) if metric in r]
     if not records:
@@ -54,8 +69,8 @@ def objective(run_dir: str | Path, metric: str = "val_acc", reduce: Reduce = "la
             "(partition.validation_fraction > 0 makes it log them at every evaluation)"
         )
     values = [math.nan if r[metric] is None else float(r[metric]) for r in records]
-    if reduce == "last":
-        return values[-1]
+    if window is not None:
+        return float(sum(values[-window:]) / len(values[-window:]))
     finite = [v for v in values if not math.isnan(v)]
     if not finite:
         return math.nan

@@ -27,12 +27,17 @@ from filelock import FileLock
 
 from fedhet.config import Config
 from fedhet.errors import ConfigError
-from fedhet.results.objective import STUDY_FILE, check_objective_metric, direction
+from fedhet.results.objective import (
+    REDUCE_CHOICES,
+    STUDY_FILE,
+    check_objective_metric,
+    direction,
+    reduce_window,
+)
 from fedhet.tuning.space import Choice, IntRange, LogUniform, SearchSpace
 
 SAMPLERS = ("tpe", "random", "grid")
 PRUNERS = ("none", "median", "hyperband")
-REDUCES = ("last", "best")
 # the validation metrics a run logs (toolkit.evaluate.validation_metrics)
 METRICS = (
     "val_acc",
@@ -75,8 +80,11 @@ class TuneSettings:
             raise ConfigError(f"unknown validation metric {self.metric!r}; choose one of: {', '.join(METRICS)}")
         if isinstance(self.trials, bool) or not isinstance(self.trials, int) or self.trials < 1:
             raise ConfigError(f"--trials {self.trials!r}: give the number of trials to run in all, 1 or more")
+        try:
+            reduce_window(self.reduce)
+        except ConfigError:
+            raise ConfigError(f"unknown --reduce {self.reduce!r}; choose {REDUCE_CHOICES}") from None
         for name, value, valid in (
-            ("--reduce", self.reduce, REDUCES),
             ("--sampler", self.sampler, SAMPLERS),
             ("--pruner", self.pruner, PRUNERS),
         ):
