@@ -67,3 +67,18 @@ def test_pretrained_table_gives_the_gap_paired_by_seed_and_fedavgs_advantage(tmp
     assert cells[2] == "55.0 ± 7.1 <sub>s0,1</sub>" and cells[4] == "26.0 ± 5.7 <sub>s0,1</sub> |"
     advantage = [r for r in tables.advantage_table(out, 20) if r.startswith("| full fine-tuning |")][0]
     assert "+5.0 ± 0.0 <sub>s0,1</sub>" in advantage
+
+
+def test_claims_table_compares_each_method_with_its_best_tuned_baseline_paired_by_seed(tmp_path, monkeypatch):
+    tables = load(BENCHMARKS / "tuning" / "tables.py", "tuning_tables_claims")
+    monkeypatch.setattr(tables, "CLAIMS_ARCHIVE", tmp_path / "archive")
+    out = tmp_path / "claims"
+    for seed, (mine, q, s) in enumerate([(0.88, 0.86, 0.91), (0.87, 0.87, 0.90), (0.88, 0.865, 0.92)]):
+        for name, acc in (("fedbc", mine), ("qfedavg", q), ("scaffold", s)):
+            write_run(out / "fedbc" / f"{name}-s{seed}", [(50, acc)])
+            (out / "fedbc" / f"{name}-s{seed}" / "summary.json").write_text('{"status": "finished"}')
+    write_run(out / "fedacd" / "fedacd-s0", [(10, 0.5)])  # killed before its summary: not a result
+    rows = {line.split(" | ")[0][2:]: line for line in tables.claims_table(out)[2:]}
+    assert "| -3.33 [-4.00, -3.00] ▼ against scaffold, p = 0.25 |" in rows["fedbc"]  # the better baseline of two
+    assert "qfedavg 86.5 ± 0.5 <sub>s0,1,2</sub>; scaffold 91.0 ± 1.0 <sub>s0,1,2</sub>" in rows["fedbc"]
+    assert "fedacd: not run yet" in rows["fedacd"]
