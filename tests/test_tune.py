@@ -105,6 +105,12 @@ def test_a_bad_space_is_one_line(tmp_path, spec, message):
         plan(tmp_path, space=[spec])
 
 
+def test_a_personalised_metric_for_a_method_without_personalised_models_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"^--metric val_personal_acc_micro: fedprox has no personalised models"):
+        plan(tmp_path, metric="val_personal_acc_micro")
+    assert plan(tmp_path, "algorithm.name=fedrod", metric="val_personal_acc_micro").settings.metric.endswith("micro")
+
+
 def test_an_algorithm_with_nothing_to_tune_needs_a_named_setting(tmp_path):
     with pytest.raises(ConfigError, match="fedavg has no tunable parameter of its own: name the settings to tune"):
         plan_tune(tiny(tmp_path, algorithm="fedavg"), [], TuneSettings(2), tmp_path / "tune")

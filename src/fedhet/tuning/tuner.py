@@ -101,6 +101,18 @@ def tune_dir(cfg: Config) -> Path:
     return Path(cfg.run.out_dir) / (cfg.run.name or f"tune-{default_name(cfg)}")
 
 
+def check_personal_metric(cfg: Config, metric: str) -> None:
+    """A personalised metric needs an algorithm with personalised models: else every trial would fail on it."""
+    from fedhet.algorithms import ALGORITHMS
+
+    entry = ALGORITHMS.get(cfg.algorithm.name)
+    if metric.startswith("val_personal") and entry is not None and not entry.obj.personalized:
+        raise ConfigError(
+            f"--metric {metric}: {cfg.algorithm.name} has no personalised models (its clients use the global model), "
+            "so its runs never log it; tune it on a global metric such as val_acc"
+        )
+
+
 def plan_tune(
     cfg: Config,
     specs: list[str],
@@ -121,6 +133,7 @@ def plan_tune(
             "tuning needs validation data, and partition.validation_fraction is 0: give it a fraction of each "
             "client's training data, e.g. -s partition.validation_fraction=0.1"
         )
+    check_personal_metric(cfg, settings.metric)
     space = build_space(cfg, specs)
     if not space.dims:
         raise ConfigError(
