@@ -48,8 +48,9 @@ def spread(values: dict[int, float], signed: bool = False) -> str:
     return text + f" <sub>s{','.join(map(str, sorted(values)))}</sub>"
 
 
-def tune_summary(out: Path, kind: str, method: str) -> dict | None:
-    for base in (out, ARCHIVE):
+def tune_summary(out: Path, kind: str, method: str, archive: Path | None = None) -> dict | None:
+    """A tune's tune.json, from OUT or else the archive (default: the study's)."""
+    for base in (out, archive or ARCHIVE):
         path = base / kind / "tuning" / method / "tune.json"
         if path.exists():
             return json.loads(path.read_text())
@@ -118,9 +119,7 @@ def claim_runs(out: Path, paper: str, name: str) -> dict[int, float]:
 
 
 def picked(out: Path, paper: str, name: str) -> str:
-    paths = (out / paper / "tuning" / name / "tune.json", CLAIMS_ARCHIVE / paper / "tuning" / name / "tune.json")
-    summary = next((json.loads(p.read_text()) for p in paths if p.exists()), None)
-    return f"{name}: {chosen(summary)[0]}"
+    return f"{name}: {chosen(tune_summary(out, paper, name, CLAIMS_ARCHIVE))[0]}"
 
 
 def claims_table(out: Path) -> list[str]:
