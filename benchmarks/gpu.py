@@ -17,11 +17,22 @@ mean GPU utilisation that ``nvidia-smi`` samples every 0.2 s while it runs):
 
 A round is timed from the server's configure to the end of aggregation (evaluation runs only after the last round
 and is not timed), with the device synchronised at both ends. Writes ``gpu.json`` and ``gpu.md`` under ``--out``.
+
+Memory is each runner's own: a case's federation (its clients' data on the device) is built when its first runner
+starts and dropped before another case's runner is measured; every other reference is collected and the allocator's
+cache emptied before the peak statistics are reset, and ``resident_mib`` records what was allocated when the runner
+started (its case's data where an earlier runner of the case built it, nothing of other cases). Speed-ups
+(sequential / batched seconds per round) are computed from the unrounded times.
+
+``--profile`` (on in ``gpu_device.sh``) counts what case (a)'s runners launch in their second round: every non-view
+aten op as a dispatch mode sees it (about one device kernel each; on any device) and, on CUDA, the kernels
+``torch.profiler`` records; per round, per client and per local step (a group's step, batched).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -31,6 +42,9 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # no calls home from Flower (read when flwr loads)
@@ -44,7 +58,7 @@ from fedhet.data.datasets.base import DATASETS, image_dataset  # noqa: E402
 from fedhet.engine.simulation import Simulation, build_federation  # noqa: E402
 from fedhet.errors import FedhetError  # noqa: E402
 from fedhet.models import build_model  # noqa: E402
-from fedhet.toolkit.local import batch_indices, derive_seed  # noqa: E402
+from fedhet.toolkit.local import batch_indices, derive_seed, num_local_steps  # noqa: E402
 
 GENERATED = {"fmnist": (1, 28, 28, 60_000, 10_000), "cifar10": (3, 32, 32, 50_000, 10_000)}
 SMALL = {"fmnist": (1, 28, 28, 600, 100), "cifar10": (3, 32, 32, 300, 100)}
@@ -86,24 +100,88 @@ def dataset_for(name: str, small: bool) -> tuple[str, str]:
 
 
 class TimedSimulation(Simulation):
-    """Wall seconds of each round's phases, the device synchronised before each clock reading."""
+    """Wall seconds of each round's phases, the device synchronised before each clock reading; with ``profile``
+    (a ``Launches``), what round ``profile_round`` launches, and its clients."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, profile: Launches | None = None, profile_round: int = 2, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.round_s: dict[int, float] = {}
+        self.profile, self.profile_round = profile, profile_round
+        self.profiled_clients: list[int] = []
 
     def run_phase(self, rnd, phase_idx, phase, cids, budgets=None):
+        counting = self.profile is not None and rnd == self.profile_round
         sync(self.flat.params.device)
         start = time.perf_counter()
-        result = super().run_phase(rnd, phase_idx, phase, cids, budgets)
-        sync(self.flat.params.device)
+        with self.profile.count() if counting else nullcontext():
+            result = super().run_phase(rnd, phase_idx, phase, cids, budgets)
+            sync(self.flat.params.device)
         self.round_s[rnd] = self.round_s.get(rnd, 0.0) + time.perf_counter() - start
+        if counting:
+            self.profiled_clients += list(cids)
         return result
 
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class Launches:
+    """What a block launches on the device: the non-view aten ops a dispatch mode sees (each about one kernel; under
+    vmap, the batched ops) and, on CUDA, the kernels ``torch.profiler`` records. Counting slows the block: its
+    seconds are not the runner's."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.ops: Counter[str] = Counter()
+        self.kernels: int | None = None
+
+    @contextmanager
+    def count(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops, device = self.ops, self.device.type
+
+        class Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if not func.is_view and func.overloadpacket.__name__ not in METADATA_OPS and on_device(out, args):
+                    ops[func.overloadpacket.__name__] += 1
+                return out
+
+        def on_device(out, args) -> bool:  # off a CPU run, host ops (a CPU generator's randperm) launch nothing
+            leaves = torch.utils._pytree.tree_leaves((out, args))
+            return any(isinstance(t, torch.Tensor) and t.device.type == device for t in leaves)
+
+        profiler = None
+        if self.device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            profiler = profile(activities=[ProfilerActivity.CUDA])
+        with profiler or nullcontext(), Count():
+            yield
+        if profiler is not None:
+            self.kernels = sum(1 for e in profiler.events() if e.device_type.name == "CUDA")
+
+    def summary(self, clients: int, steps: int, step: str) -> dict:
+        """The counts per round, per client and per ``step`` (``steps`` of them in the round)."""
+        total = sum(self.ops.values())
+        per_step = None if self.kernels is None else self.kernels / max(steps, 1)
+        return {
+            "clients": clients,
+            "steps": steps,
+            "step": step,
+            "ops_per_round": total,
+            "ops_per_client": total / max(clients, 1),
+            "ops_per_step": total / max(steps, 1),
+            "cuda_kernels_per_round": self.kernels,
+            "cuda_kernels_per_step": per_step,
+            "top_ops": dict(self.ops.most_common(8)),
+        }
+
+
+METADATA_OPS = ("_unsafe_view", "lift_fresh")  # no kernel, though the schema does not mark them as views
 
 
 class Utilisation:
@@ -139,11 +217,37 @@ class Utilisation:
         return round(statistics.fmean(self.samples), 1) if self.samples else None
 
 
+class Federations:
+    """The federation of the case being run (its clients' data on the device): built at its case's first use, and
+    dropped (``keep``) before a runner of another case is measured."""
+
+    def __init__(self) -> None:
+        self.key: str | None = None
+        self.fed = None
+
+    def get(self, key: str, cfg):
+        if key != self.key:
+            self.keep(key)
+            self.fed, self.key = build_federation(cfg), key
+        return self.fed
+
+    def keep(self, key: str) -> None:
+        """Drop the federation held unless it is ``key``'s."""
+        if key != self.key:
+            self.fed = self.key = None
+
+
 def measure(device: torch.device, fn) -> dict:
-    """Run ``fn() -> (round seconds, extra)`` and add the median of rounds 2-6, peak memory and utilisation."""
+    """Run ``fn() -> (round seconds, extra)`` and add the median of rounds 2-6, the memory allocated at its start
+    and its peak (after every unreachable object is collected and the allocator's cache emptied), and the GPU's
+    mean utilisation."""
+    gc.collect()  # simulations and models of earlier runners, in reference cycles
+    resident = None
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        resident = torch.cuda.memory_allocated(device) / 2**20
     with Utilisation(device) as util:
         rounds, extra = fn()
     later = rounds[1:6] or rounds
@@ -152,6 +256,7 @@ def measure(device: torch.device, fn) -> dict:
     return {
         "s_per_round": s,
         "rounds_per_hour": 3600 / s,
+        "resident_mib": resident,
         "peak_mib": peak,
         "gpu_util": util.mean,
         "rounds": rounds,
@@ -183,45 +288,80 @@ def config(args, name: str, dataset: str, clients: int, per_round: int, model: d
     )
 
 
-def fedhet_run(cfg, fed) -> tuple[list[float], dict]:
+def fedhet_run(cfg, fed, profile: bool = False) -> tuple[list[float], dict]:
+    """Seconds per round of a fedhet run; with ``profile``, its second round run again, counted (``Launches``)."""
     sim = TimedSimulation(cfg, fed=fed)
     summary = sim.run(overwrite=True)
     rounds = [sim.round_s[r] for r in sorted(sim.round_s)]
-    return rounds, {"executor": sim.executor_kind, "final_test_acc": summary["final"]["test_acc"]}
+    extra = {"executor": sim.executor_kind, "final_test_acc": summary["final"]["test_acc"]}
+    if profile:  # a run of its own: counting slows a round, and the timed run stays as it is
+        name = f"{cfg.run.name}-profile"
+        launches = Launches(torch.device(cfg.run.device))
+        counted = cfg.model_copy(update={"run": cfg.run.model_copy(update={"rounds": 2, "name": name})})
+        sim = TimedSimulation(counted, fed=fed, profile=launches, profile_round=2)
+        sim.run(overwrite=True)
+        extra["profile"] = profile_summary(launches, sim, fed)
+    return rounds, extra
 
 
-def bare_torch(cfg, fed, device: torch.device) -> tuple[list[float], dict]:
+def profile_summary(launches: Launches, sim: TimedSimulation, fed) -> dict:
+    """``launches`` per round, client and step: a client's local step (sequential) or a group's (batched: the
+    clients of a group step together, a group takes as many steps as its longest client)."""
+    t = sim.cfg.train
+    steps = client_steps(fed, t, sim.profiled_clients)
+    if sim.executor_kind != "batched":
+        return launches.summary(len(steps), sum(steps), "client step")
+    group = sim.executor.max_group or len(steps)
+    ordered = sorted(steps, reverse=True)
+    return launches.summary(len(steps), sum(ordered[::group]), "group step")
+
+
+def bare_torch(cfg, fed, device: torch.device, profile: bool = False) -> tuple[list[float], dict]:
     """The floor: each round's clients one after another, plain torch SGD steps on device-resident data, their
-    models averaged by size; no hooks, messages, state store or checks."""
+    models averaged by size; no hooks, messages, state store or checks. With ``profile``, one more round, counted."""
     model = build_model(cfg.model.name, fed.input_shape, fed.num_classes, **cfg.model.params()).to(device)
     glob = [p.detach().clone() for p in model.parameters()]
-    rng, t, rounds = np.random.default_rng(0), cfg.train, []
+    rng, rounds, extra = np.random.default_rng(0), [], {}
     n_per = cfg.clients_per_round()
     for rnd in range(cfg.run.rounds):
         sync(device)
         start = time.perf_counter()
-        cids = rng.choice(fed.num_clients, n_per, replace=False)
-        total = [torch.zeros_like(g) for g in glob]
-        weight = sum(len(fed.clients[c]) for c in cids)
-        for cid in cids:
-            data = fed.clients[cid]
-            with torch.no_grad():
-                for p, g in zip(model.parameters(), glob, strict=True):
-                    p.copy_(g)
-            opt = torch.optim.SGD(model.parameters(), lr=t.lr)
-            gen = torch.Generator().manual_seed(derive_seed(0, rnd, int(cid)))
-            steps = max(1, int(np.ceil(t.local_epochs * np.ceil(len(data) / t.batch_size))))
-            for idx in batch_indices(len(data), t.batch_size, steps, gen, data.x.device):
-                opt.zero_grad(set_to_none=False)
-                F.cross_entropy(model(data.x[idx]), data.y[idx]).backward()
-                opt.step()
-            with torch.no_grad():
-                for acc, p in zip(total, model.parameters(), strict=True):
-                    acc.add_(p, alpha=len(data) / weight)
-        glob = total
+        glob = bare_round(model, glob, fed, rng.choice(fed.num_clients, n_per, replace=False), cfg.train, rnd)
         sync(device)
         rounds.append(time.perf_counter() - start)
-    return rounds, {"executor": "bare torch"}
+    if profile:  # untimed: counting slows it
+        launches, cids = Launches(device), rng.choice(fed.num_clients, n_per, replace=False)
+        with launches.count():
+            bare_round(model, glob, fed, cids, cfg.train, cfg.run.rounds)
+            sync(device)
+        extra["profile"] = launches.summary(len(cids), sum(client_steps(fed, cfg.train, cids)), "client step")
+    return rounds, {"executor": "bare torch", **extra}
+
+
+def bare_round(model, glob: list[torch.Tensor], fed, cids, t, rnd: int) -> list[torch.Tensor]:
+    """One round of ``bare_torch``: the new global parameters."""
+    total = [torch.zeros_like(g) for g in glob]
+    weight = sum(len(fed.clients[c]) for c in cids)
+    for cid in cids:
+        data = fed.clients[cid]
+        with torch.no_grad():
+            for p, g in zip(model.parameters(), glob, strict=True):
+                p.copy_(g)
+        opt = torch.optim.SGD(model.parameters(), lr=t.lr)
+        gen = torch.Generator().manual_seed(derive_seed(0, rnd, int(cid)))
+        steps = max(1, int(np.ceil(t.local_epochs * np.ceil(len(data) / t.batch_size))))
+        for idx in batch_indices(len(data), t.batch_size, steps, gen, data.x.device):
+            opt.zero_grad(set_to_none=False)
+            F.cross_entropy(model(data.x[idx]), data.y[idx]).backward()
+            opt.step()
+        with torch.no_grad():
+            for acc, p in zip(total, model.parameters(), strict=True):
+                acc.add_(p, alpha=len(data) / weight)
+    return total
+
+
+def client_steps(fed, t, cids) -> list[int]:
+    return [num_local_steps(len(fed.clients[c]), t.batch_size, t.local_epochs, t.local_steps) for c in cids]
 
 
 def flower_run(cfg, fed, device: torch.device, gpus_per_client: float) -> tuple[list[float], dict]:
@@ -307,8 +447,18 @@ def with_executor(cfg, executor: str, name: str):
 
 
 # ---------------------------------------------------------------------- the cases
-def cases(args) -> list[tuple[str, str, callable]]:
-    device, small = torch.device(args.device), args.small
+Case = tuple[str, str, str, Callable[[], tuple[list[float], dict]]]  # title, runner, federation key, run
+
+
+def key(cfg) -> str:
+    """What a federation depends on here (every case partitions by Dirichlet 0.5 with seed 0): runners of cases
+    that share it share one federation, and their memory its data."""
+    return f"{cfg.dataset.name}, {cfg.partition.num_clients} clients"
+
+
+def cases(args, feds: Federations) -> list[Case]:
+    """Every runner of every case, in order; a runner builds its case's federation when it runs (``feds``)."""
+    device, small, profile = torch.device(args.device), args.small, args.profile
     fm, fm_what = dataset_for("fmnist", small)
     cf, cf_what = dataset_for("cifar10", small)
     out = []
@@ -316,13 +466,12 @@ def cases(args) -> list[tuple[str, str, callable]]:
     clients, per_round = (20, 10) if small else (1000, 100)
     model_a = {"name": "convnet", "channels": [8, 16], "hidden": 32} if small else {"name": "convnet"}
     cfg = config(args, "a", fm, clients, per_round, model_a, {"local_epochs": 1, "batch_size": 64}, "fedavg")
-    fed = build_federation(cfg)
     a = f"(a) FedAvg convnet, {fm_what}, {per_round}/{clients} clients, E=1, B=64"
     for ex in ("sequential", "batched"):
         c = with_executor(cfg, ex, f"a-{ex}")
-        out.append((a, ex, lambda c=c: fedhet_run(c, fed)))
-    out.append((a, "bare torch", lambda: bare_torch(cfg, fed, device)))
-    flower = (a, "flower", lambda: flower_run(cfg, fed, device, args.client_gpus))
+        out.append((a, ex, key(cfg), lambda c=c: fedhet_run(c, feds.get(key(cfg), cfg), profile)))
+    out.append((a, "bare torch", key(cfg), lambda: bare_torch(cfg, feds.get(key(cfg), cfg), device, profile)))
+    flower = (a, "flower", key(cfg), lambda: flower_run(cfg, feds.get(key(cfg), cfg), device, args.client_gpus))
     # (b)
     clients, per_round, epochs = (20, 4, 2) if small else (100, 10, 10)
     for algo in ("fedavg", "scaffold"):
@@ -336,11 +485,10 @@ def cases(args) -> list[tuple[str, str, callable]]:
             {"local_epochs": epochs, "batch_size": 10},
             algo,
         )
-        fed_b = build_federation(cfg_b)
         b = f"(b) {algo} 2NN, {fm_what}, {per_round}/{clients} clients, E={epochs}, B=10"
         for ex in ("sequential", "batched"):
             c = with_executor(cfg_b, ex, f"b-{algo}-{ex}")
-            out.append((b, ex, lambda c=c, f=fed_b: fedhet_run(c, f)))
+            out.append((b, ex, key(c), lambda c=c: fedhet_run(c, feds.get(key(c), c))))
     # (c)
     clients, per_round, epochs = (10, 4, 1) if small else (100, 10, 5)
     model_c = {"name": "resnet18", "width": 4 if small else 64}
@@ -355,16 +503,15 @@ def cases(args) -> list[tuple[str, str, callable]]:
             {"local_epochs": epochs, "batch_size": 50, "precision": prec, "momentum": 0.9},
             "fedavg",
         )
-        fed_c = build_federation(cfg_c)
         c_name = f"(c) FedAvg ResNet-18-GN, {cf_what}, {per_round}/{clients} clients, E={epochs}, B=50"
         for ex in ("sequential", "batched"):
             c = with_executor(cfg_c, ex, f"c-{prec}-{ex}")
-            out.append((c_name, f"{ex} {prec}", lambda c=c, f=fed_c: fedhet_run(c, f)))
-    out += changed_losses(args, cf, cf_what, model_c) + sweep(args, fm, fm_what, cf, cf_what, model_c)
+            out.append((c_name, f"{ex} {prec}", key(c), lambda c=c: fedhet_run(c, feds.get(key(c), c))))
+    out += changed_losses(args, feds, cf, cf_what, model_c) + sweep(args, feds, fm, fm_what, cf, cf_what, model_c)
     return out + ([flower] if args.flower else [])  # last: Ray's start is the slowest and least predictable part
 
 
-def changed_losses(args, cf: str, cf_what: str, model_c: dict) -> list[tuple[str, str, callable]]:
+def changed_losses(args, feds: Federations, cf: str, cf_what: str, model_c: dict) -> list[Case]:
     """(d) methods whose client loss is not plain cross-entropy (the batched executor's functional losses): MOON
     (a second and third forward pass, the previous and the global model) and FedRCL (supervised contrastive terms
     over the batch's features), on (c)'s ResNet-18-GN."""
@@ -375,15 +522,14 @@ def changed_losses(args, cf: str, cf_what: str, model_c: dict) -> list[tuple[str
             args, f"d-{algo}", cf, clients, per_round, model_c,
             {"local_epochs": epochs, "batch_size": 50, "momentum": 0.9}, algo,
         )  # fmt: skip
-        fed = build_federation(cfg)
         name = f"(d) {algo} ResNet-18-GN, {cf_what}, {per_round}/{clients} clients, E={epochs}, B=50"
         for ex in ("sequential", "batched"):
             c = with_executor(cfg, ex, f"d-{algo}-{ex}")
-            out.append((name, ex, lambda c=c, f=fed: fedhet_run(c, f)))
+            out.append((name, ex, key(c), lambda c=c: fedhet_run(c, feds.get(key(c), c))))
     return out
 
 
-def sweep(args, fm: str, fm_what: str, cf: str, cf_what: str, model_c: dict) -> list[tuple[str, str, callable]]:
+def sweep(args, feds: Federations, fm: str, fm_what: str, cf: str, cf_what: str, model_c: dict) -> list[Case]:
     """(e) where batching starts to pay (the rule of ``run.executor = "auto"``): 2, 4, 8, 16 and 32 clients a round
     of 100 (Dirichlet 0.5), one epoch, for the 2NN (batch 10), ``convnet`` (batch 64) and ResNet-18-GN (batch 50)."""
     ks = (2, 4) if args.small else (2, 4, 8, 16, 32)
@@ -401,13 +547,12 @@ def sweep(args, fm: str, fm_what: str, cf: str, cf_what: str, model_c: dict) -> 
     out = []
     for label, data, what, model, batch in models:
         cfg0 = config(args, f"e-{label}", data, 20 if args.small else 100, 2, model, {"batch_size": batch}, "fedavg")
-        fed = build_federation(cfg0)
         for k in ks:
             cfg = cfg0.model_copy(update={"train": cfg0.train.model_copy(update={"clients_per_round": k})})
             name = f"(e) FedAvg {label}, {what}, {k}/{cfg.partition.num_clients} clients, E=1, B={batch}"
             for ex in ("sequential", "batched"):
                 c = with_executor(cfg, ex, f"e-{ex}")
-                out.append((name, ex, lambda c=c, f=fed: fedhet_run(c, f)))
+                out.append((name, ex, key(c), lambda c=c: fedhet_run(c, feds.get(key(c), c))))
     return out
 
 
@@ -419,20 +564,52 @@ def device_name(device: torch.device) -> str:
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| case | runner | s / round | rounds / h | peak MiB | GPU util % | executor |",
-        "|---|---|---|---|---|---|---|",
+        "| case | runner | s / round | rounds / h | resident MiB | peak MiB | GPU util % | executor |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['case']} | {r['runner']} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['case']} | {r['runner']} | failed: {r['error']} | | | | | |")
             continue
-        peak = f"{r['peak_mib']:.0f}" if r["peak_mib"] is not None else "-"
+        resident, peak = (f"{r[k]:.0f}" if r.get(k) is not None else "-" for k in ("resident_mib", "peak_mib"))
         util = r["gpu_util"] if r["gpu_util"] is not None else "-"
         lines.append(
-            f"| {r['case']} | {r['runner']} | {r['s_per_round']:.3f} | {r['rounds_per_hour']:.0f} | {peak} | {util} |"
-            f" {r['executor']} |"
+            f"| {r['case']} | {r['runner']} | {r['s_per_round']:.3f} | {r['rounds_per_hour']:.0f} | {resident} |"
+            f" {peak} | {util} | {r['executor']} |"
         )
     return "\n".join(lines)
+
+
+def speedups(results: list[dict]) -> list[dict]:
+    """Each case's sequential / batched seconds per round at the same precision, from the unrounded medians."""
+    done = {(r["case"], r["runner"]): r for r in results if "error" not in r}
+    out = []
+    for (case, runner), bat in done.items():
+        kind, *precision = runner.split()
+        seq = done.get((case, " ".join(["sequential", *precision])))
+        if kind == "batched" and seq is not None:
+            ratio = seq["s_per_round"] / bat["s_per_round"]
+            out.append({"case": case, "precision": " ".join(precision) or "fp32", "speedup": ratio})
+    return out
+
+
+def profile_table(results: list[dict]) -> str:
+    """What case (a)'s runners launch in a round (``--profile``), per client and per step."""
+    lines = [
+        "| runner | clients | steps | ops / round | ops / client | ops / step | CUDA kernels / step | top ops |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "profile" not in r:
+            continue
+        p = r["profile"]
+        kernels = f"{p['cuda_kernels_per_step']:.0f}" if p["cuda_kernels_per_step"] is not None else "-"
+        top = ", ".join(f"{name} {n}" for name, n in list(p["top_ops"].items())[:4])
+        lines.append(
+            f"| {r['runner']} | {p['clients']} | {p['steps']} ({p['step']}) | {p['ops_per_round']} |"
+            f" {p['ops_per_client']:.1f} | {p['ops_per_step']:.1f} | {kernels} | {top} |"
+        )
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -443,17 +620,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--client-gpus", type=float, default=0.1, help="Flower: num_gpus of each ClientApp actor")
     ap.add_argument("--rounds", type=int, default=None, help="default 6 (3 with --small); rounds 2-6 are timed")
     ap.add_argument("--only", default="", help="run only the cases whose title contains this text, e.g. '(a)'")
+    ap.add_argument("--profile", action="store_true", help="count what case (a)'s runners launch in a round")
     ap.add_argument("--out", type=Path, default=Path("runs/gpu-bench"))
     args = ap.parse_args(argv)
     args.rounds = args.rounds or (3 if args.small else 6)
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as work:
         args.work = Path(work)
-        results, report = [], write(args, device, [])
-        for case, runner, fn in cases(args):
+        results, report, feds = [], write(args, device, []), Federations()
+        for case, runner, fed_key, fn in cases(args, feds):
             if args.only not in case:
                 continue
             print(f"{case}: {runner} ...", flush=True)
+            feds.keep(fed_key)  # another case's data goes before the reading
             try:
                 results.append({"case": case, "runner": runner, **measure(device, fn)})
             except Exception as err:  # one failing runner (e.g. Flower's Ray) must not lose the others' numbers
@@ -471,12 +650,19 @@ def write(args, device: torch.device, results: list[dict]) -> dict:
         "cuda": torch.version.cuda,
         "small": args.small,
         "results": results,
+        "speedups": speedups(results),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu.json").write_text(json.dumps(report, indent=1))
     timed = f"rounds 2-{min(args.rounds, 6)}" if args.rounds > 1 else "round 1"
     cuda = f", CUDA {report['cuda']}" if report["cuda"] and device.type == "cuda" else ""
     md = f"Device: {report['device']}; torch {report['torch']}{cuda}; median of {timed}.\n\n{table(results)}\n"
+    if report["speedups"]:
+        rows = "".join(f"| {r['case']} | {r['precision']} | {r['speedup']:.2f}x |\n" for r in report["speedups"])
+        head = "| case | precision | speed-up |\n|---|---|---|\n"
+        md += f"\nSequential / batched seconds per round (from the unrounded times):\n\n{head}{rows}"
+    if profile_table(results):
+        md += f"\nWhat a round launches (an extra, untimed round):\n\n{profile_table(results)}\n"
     (args.out / "gpu.md").write_text(md)
     return report
 

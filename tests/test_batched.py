@@ -18,6 +18,7 @@ import torch
 from fedhet.algorithms.fedacd import FedACD
 from fedhet.engine.batched import (
     BatchedExecutor,
+    _GroupData,
     algorithm_unbatchable,
     batching_pays_off,
     choose_executor,
@@ -149,6 +150,45 @@ def test_replies_are_the_sequential_replies(tiny_config, model, train):
         assert bat[cid].metrics["train_loss"] == pytest.approx(reply.metrics["train_loss"], rel=REL)
         for name, t in reply.tensors.items():
             torch.testing.assert_close(bat[cid].tensors[name], t, rtol=REL, atol=REL * float(t.abs().max()))
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [{"name": "scaffold"}, {"name": "moon", "projection_dim": 16}, {"name": "fedacd"}],
+    ids=["scaffold", "moon-own-loss", "fedacd-draws-per-step"],
+)
+def test_gathering_a_step_at_once_is_loading_client_by_client(tiny_config, algorithm, monkeypatch):
+    """The group's batches of a step gathered at once (``_GroupData``: one index copy, one gather for inputs and
+    one for labels) give exactly, bit for bit, the replies and states of loading them client by client: the same
+    samples, the same draws from each client's generator in the same order (FedACD draws its Mixup partners per
+    step from it), short last batches and a client dropped in the middle of the phase included."""
+    model = {"name": "convnet", "channels": [8, 16], "hidden": 32}
+    train = {**TRAIN, "batch_size": 7, "local_epochs": 2}
+    sim = Simulation(tiny_config(model=model, train=train, algorithm=algorithm))
+    runner, clients = sim.executor.runner, sim.fed.clients
+    original = type(sim.algo).after_backward
+
+    def faulty(ctx):
+        original(sim.algo, ctx)
+        if ctx.cid == 2 and ctx.steps == 3:
+            raise RuntimeError("disk on fire")
+
+    sim.algo.after_backward = faulty
+    msgs = sim.algo.configure(1, list(range(sim.fed.num_clients)), "train")
+    gathered = BatchedExecutor(runner, clients, max_group=4)
+    fused, failures = gathered.run_phase(1, 0, "train", msgs)
+    monkeypatch.setattr(_GroupData, "build", classmethod(lambda cls, members, device: None))
+    one_by_one = BatchedExecutor(runner, clients, max_group=4)
+    loaded, failures_loaded = one_by_one.run_phase(1, 0, "train", msgs)
+    assert gathered.last_phase_batched and one_by_one.last_phase_batched
+    assert [f["client"] for f in failures] == [f["client"] for f in failures_loaded] == [2]
+    assert fused.keys() == loaded.keys() and len(fused) == sim.fed.num_clients - 1
+    for cid, reply in loaded.items():
+        assert fused[cid].metrics == reply.metrics
+        for name, t in reply.tensors.items():
+            assert torch.equal(fused[cid].tensors[name], t), (cid, name)
+    for (cid, state), (cid2, state2) in zip(gathered.store.items(), one_by_one.store.items(), strict=True):
+        assert cid == cid2 and all(torch.equal(state[n], state2[n]) for n in state2)
 
 
 def test_per_client_messages_and_unreadable_state(tiny_config):

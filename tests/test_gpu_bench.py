@@ -19,7 +19,7 @@ def test_small_mode_runs_every_case_and_writes_its_table(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    report = bench.main(["--small", "--device", "cpu", "--rounds", "2", "--out", str(tmp_path)])
+    report = bench.main(["--small", "--device", "cpu", "--rounds", "2", "--profile", "--out", str(tmp_path)])
     results = report["results"]
     assert not [r for r in results if "error" in r]
     runners = {(r["case"][:3], r["runner"]) for r in results}
@@ -31,9 +31,44 @@ def test_small_mode_runs_every_case_and_writes_its_table(tmp_path, monkeypatch):
     swept = [r["case"] for r in results if r["case"].startswith("(e)") and r["runner"] == "batched"]
     assert [c.split(", ")[2].split("/")[0] for c in swept] == ["2", "4"] * 3  # per model: K = 2, 4 (small mode)
     for r in results:
-        assert r["s_per_round"] > 0 and len(r["rounds"]) == 2 and r["peak_mib"] is None  # no CUDA here
+        assert r["s_per_round"] > 0 and len(r["rounds"]) == 2 and r["peak_mib"] is r["resident_mib"] is None  # CPU
         assert r["executor"] == ("bare torch" if r["runner"] == "bare torch" else r["runner"].split()[0])
     assert json.loads((tmp_path / "gpu.json").read_text())["results"] == json.loads(json.dumps(results))
     table = (tmp_path / "gpu.md").read_text()
-    assert table.count("\n| (") == len(results) and "median of rounds 2-2" in table
+    runner_rows = table.split("\n\nSequential")[0].count("\n| (")  # the first table: a row per runner
+    assert runner_rows == len(results) and "median of rounds 2-2" in table
     assert "final_test_acc" in results[0] and 0 <= results[0]["final_test_acc"] <= 1
+
+    # speed-ups from the unrounded times, one per case and precision with both executors
+    ratios = {(r["case"], r["precision"]): r["speedup"] for r in report["speedups"]}
+    assert len(ratios) == len([r for r in results if r["runner"].startswith("batched")])
+    by = {(r["case"], r["runner"]): r["s_per_round"] for r in results}
+    for (case, precision), ratio in ratios.items():
+        suffix = "" if case[:3] != "(c)" else f" {precision}"
+        assert ratio == by[(case, "sequential" + suffix)] / by[(case, "batched" + suffix)]
+    assert "from the unrounded times" in table
+    # what case (a)'s runners launch: the batched executor launches fewer ops a client than the sequential one
+    profiles = {r["runner"]: r["profile"] for r in results if "profile" in r}
+    assert set(profiles) == {"sequential", "batched", "bare torch"}
+    for p in profiles.values():
+        assert p["clients"] == 10 and p["steps"] >= 1 and p["ops_per_round"] > 0 and p["cuda_kernels_per_round"] is None
+    assert profiles["batched"]["step"] == "group step" and profiles["sequential"]["step"] == "client step"
+    assert profiles["batched"]["ops_per_client"] < profiles["sequential"]["ops_per_client"] / 2
+    assert "What a round launches" in table
+
+
+def test_a_cases_federation_is_dropped_before_another_cases_runner(tmp_path, monkeypatch):
+    """Memory per case: a federation lives from its case's first runner until a runner of another case starts."""
+    monkeypatch.setattr(DATASETS, "_entries", dict(DATASETS._entries))
+    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    built = []
+    monkeypatch.setattr(bench, "build_federation", lambda cfg: built.append(cfg.dataset.name) or object())
+    feds = bench.Federations()
+    first = feds.get("a", type("C", (), {"dataset": type("D", (), {"name": "x"})})())
+    assert feds.get("a", None) is first and built == ["x"]  # the same case: built once
+    feds.keep("a")
+    assert feds.fed is first
+    feds.keep("b")  # another case's runner is next: the data goes
+    assert feds.fed is None and feds.key is None

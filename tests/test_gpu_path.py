@@ -209,3 +209,35 @@ def test_to_device_leaves_a_tensor_where_it_is_already():
 
     t = torch.arange(5)
     assert to_device(t, None) is t and to_device(t, "cpu") is t and to_device(t, torch.device("cpu")) is t
+
+
+def test_a_clients_global_seed_draws_what_torch_manual_seed_draws():
+    """``seed_global`` (each client's context) seeds the CPU's global stream as ``torch.manual_seed`` does, so
+    dropout and other global draws are what they were, without the per-call cost of queueing every accelerator's."""
+    from fedhet.toolkit.local import seed_global
+
+    torch.manual_seed(123)
+    expected = torch.rand(5), torch.randn(3), torch.initial_seed()
+    torch.manual_seed(0)
+    seed_global(123, torch.device("cpu"))
+    got = torch.rand(5), torch.randn(3), torch.initial_seed()
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]) and got[2] == expected[2]
+
+
+def test_all_finite_reads_every_tensor_at_once_and_sees_what_isfinite_sees():
+    from fedhet.engine.client import all_finite
+
+    big = torch.full((1000,), 3e38)  # finite, though its sum (and norm) overflow to inf
+    cases = [
+        torch.ones(5),
+        torch.tensor([1.0, float("nan")]),
+        torch.tensor([float("inf"), 0.0]),
+        torch.tensor([-float("inf")]),
+        big,
+        torch.empty(0),
+        torch.tensor([1.0, 2.0], dtype=torch.bfloat16),
+        torch.tensor([float("nan")], dtype=torch.float64),
+    ]
+    assert all_finite(cases) == [bool(torch.isfinite(t).all()) for t in cases]
+    assert all_finite(cases) == [True, False, False, False, True, True, True, False]
+    assert all_finite([]) == []

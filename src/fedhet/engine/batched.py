@@ -70,7 +70,15 @@ from fedhet.algorithms.functional import Apply, record_aux, split_loss
 from fedhet.data.device import to_device
 from fedhet.data.types import ClientData
 from fedhet.engine.checkpoint import StateFileError
-from fedhet.engine.client import ClientRunner, LocalExecutor, PersonalScores, check_finite, failure_record
+from fedhet.engine.client import (
+    ClientRunner,
+    LocalExecutor,
+    PersonalScores,
+    all_finite,
+    failure_record,
+    floating_tensors,
+    raise_nonfinite,
+)
 from fedhet.engine.memory import available_memory
 from fedhet.engine.state import MemoryStateStore
 from fedhet.toolkit.flat import FlatModel, FlatVectors, named_views, parameter_layout
@@ -427,6 +435,7 @@ class BatchedExecutor:
         runner.model.train()
         self._stacked = {}  # this group's stacked loss inputs
         step_inputs = getattr(type(algo), "step_inputs", False)  # inherited: reading per step is never wrong
+        reads_model = _overrides(algo, "before_local") or (not step_inputs and _overrides(algo, "loss_inputs"))
         # Contexts in message order (each reseeds the global RNG, which then ends as the sequential executor's does).
         contexts: dict[int, ClientContext] = {}
         for cid, msg in msgs.items():
@@ -454,18 +463,19 @@ class BatchedExecutor:
             ctx.flat = RowFlat(flat, params[k], grads[k])
             members.append(_Client(ctx, steps[cid]))
         batch = _Batch(members[0].ctx.data, len(order), t.batch_size, params)
+        group_data = _GroupData.build(members, params.device)
+        index_device = None if group_data is not None else members[0].ctx.data.x.device  # fused: the host's
         for k, client in enumerate(members):
             ctx = client.ctx
             try:
                 ctx.flat.set_params(ctx.message.tensors["params"])
                 ctx.lr = float(ctx.message.scalars.get("lr", t.lr))
-                flat.set_params(params[k])  # a hook reading ctx.model sees the client's parameters
+                if reads_model:  # a hook reading ctx.model sees the client's parameters
+                    flat.set_params(params[k])
                 algo.before_local(ctx)
                 if not step_inputs:  # read once; per step otherwise (below)
                     client.read_inputs(algo)
-                client.batches = batch_indices(
-                    len(ctx.data), t.batch_size, client.total, ctx.generator, ctx.data.x.device
-                )
+                client.batches = batch_indices(len(ctx.data), t.batch_size, client.total, ctx.generator, index_device)
             except Exception as err:
                 drop(k, err)
         kept = optimizer_state_prefix(phase) if t.optimizer_state == "client" else None
@@ -475,12 +485,22 @@ class BatchedExecutor:
         has_after_backward, has_after_step = _overrides(algo, "after_backward"), _overrides(algo, "after_step")
         active = [sum(1 for c in members if c.total > step) for step in range(members[0].total)]
         for step, m in enumerate(active):  # m: the clients still training are rows 0..m-1 (sorted by step count)
-            for k in range(m):
-                if members[k].alive:
-                    try:
-                        batch.load(k, members[k].ctx, next(members[k].batches))
-                    except Exception as err:
-                        drop(k, err)
+            if group_data is not None:
+                idxs: list[torch.Tensor | None] = [None] * m
+                for k in range(m):
+                    if members[k].alive:
+                        try:
+                            idxs[k] = next(members[k].batches)
+                        except Exception as err:
+                            drop(k, err)
+                batch.gather(group_data, idxs, members)
+            else:  # client by client: augmentation draws from each client's generator between its batches
+                for k in range(m):
+                    if members[k].alive:
+                        try:
+                            batch.load(k, members[k].ctx, next(members[k].batches))
+                        except Exception as err:
+                            drop(k, err)
             rows, grad_rows = params[:m], grads[:m]
             if step_inputs:
                 self._stacked = {}
@@ -524,7 +544,8 @@ class BatchedExecutor:
             for k in range(m):
                 totals[k] += values[pos + k]
             pos += m
-        replies: dict[int, Reply] = {}
+        finished = []  # (cid, reply) of the clients whose after_local returned
+        evaluates = _overrides(algo, "after_local")
         for cid in contexts:
             client = members[row[cid]]
             if not client.alive:
@@ -533,14 +554,37 @@ class BatchedExecutor:
             ctx.loss_sum = totals[row[cid]]
             if kept is not None:
                 keep_state(ctx.state, kept, opt.row_state(row[cid]))
-            flat.set_params(params[row[cid]])  # after_local may evaluate the trained model through ctx.model
+            if evaluates:  # its after_local may evaluate the trained model through ctx.model
+                flat.set_params(params[row[cid]])
             try:
-                reply = algo.after_local(ctx)
-                check_finite(reply, ctx.state)
+                finished.append((cid, algo.after_local(ctx)))
             except Exception as err:
                 failures.append(failure_record(rnd, phase, cid, err))
+        return self._checked(rnd, phase, finished, {cid: members[row[cid]].ctx.state for cid, _ in finished}, failures)
+
+    def _checked(
+        self,
+        rnd: int,
+        phase: str,
+        finished: list[tuple[int, Reply]],
+        states: dict[int, dict[str, torch.Tensor]],
+        failures: list[dict[str, Any]],
+    ) -> tuple[dict[int, Reply], list[dict[str, Any]]]:
+        """The finished clients' replies, each client's state stored; a client whose reply or state is not finite
+        is dropped as ``check_finite`` drops it, all of the group's flags read at once (one wait on a GPU, not one
+        per client)."""
+        tensors = [floating_tensors(reply, states[cid]) for cid, reply in finished]
+        flags = all_finite([t for client in tensors for _, t in client])
+        replies: dict[int, Reply] = {}
+        pos = 0
+        for (cid, reply), client in zip(finished, tensors, strict=True):
+            finite, pos = flags[pos : pos + len(client)], pos + len(client)
+            try:
+                raise_nonfinite(reply, finite, client)
+            except FloatingPointError as err:
+                failures.append(failure_record(rnd, phase, cid, err))
                 continue
-            self.store.put(cid, ctx.state)
+            self.store.put(cid, states[cid])
             replies[cid] = reply
         return replies, failures
 
@@ -663,6 +707,30 @@ class _Batch:
         self.set_length(k, b)
         ctx.batch = idx
 
+    def gather(self, data: _GroupData, idxs: list[torch.Tensor | None], members: list[_Client]) -> None:
+        """Rows 0..m-1 at once: client k's batch ``idxs[k]`` (its sample indices on the host; None: no batch, a
+        dropped client) from the group's samples, in one gather for the inputs and one for the labels, the indices
+        sent to the device in one copy. Each client's ``ctx.batch`` is its row of the indices on the device."""
+        m, size = len(idxs), self.x.shape[1]
+        lengths = [0 if idx is None else len(idx) for idx in idxs]
+        host = torch.zeros(m, size + 1, dtype=torch.long)  # fresh each step: an earlier ctx.batch stays as it was
+        for k, idx in enumerate(idxs):
+            if lengths[k]:
+                host[k, : lengths[k]] = idx
+        host[:, size] = torch.tensor(lengths)
+        moved = to_device(host, self.x.device)  # one queued copy from pinned memory on a GPU; the host's on a CPU
+        local, counts = moved[:, :size], moved[:, size]
+        rows = (local + data.starts[:m, None]).reshape(-1)  # a padded slot reads the client's first sample, masked
+        torch.index_select(data.x, 0, rows, out=self.x[:m].view(m * size, *self.x.shape[2:]))
+        torch.index_select(data.y, 0, rows, out=self.y[:m].view(-1))
+        if lengths != self.lengths[:m]:
+            self.mask[:m].copy_(torch.arange(size, device=self.x.device) < counts[:, None])
+            self.count[:m].copy_(counts.clamp(min=1))
+            self.lengths[:m] = lengths
+        for k in range(m):
+            if lengths[k]:
+                members[k].ctx.batch = local[k, : lengths[k]]
+
     def clear(self, k: int) -> None:
         """A dropped client's row trains on nothing from now on (its results are discarded)."""
         self.set_length(k, 0)
@@ -673,6 +741,29 @@ class _Batch:
             self.mask[k, b:] = 0.0
             self.count[k].fill_(float(max(b, 1)))  # a kernel: assigning a Python float copies from the host
             self.lengths[k] = b
+
+
+class _GroupData:
+    """A group's training samples in one tensor, each client's a block starting at ``starts[k]`` (on the device), so
+    a step gathers every client's batch at once (``_Batch.gather``): a few kernels a step instead of a few per client,
+    which on a GPU are launches that bound a small model's step. Built once per group and phase; the copy takes the
+    group's data once more on the device. Only where no client augments its batches (augmentation draws from each
+    client's generator between its batches) and the data is on the parameters' device."""
+
+    def __init__(self, members: list[_Client], device: torch.device) -> None:
+        datas = [c.ctx.data for c in members]
+        self.x = torch.cat([d.x for d in datas])
+        self.y = torch.cat([d.y for d in datas])
+        starts, pos = [], 0
+        for d in datas:
+            starts.append(pos if len(d) else 0)  # a client without samples is dropped before its first batch
+            pos += len(d)
+        self.starts = to_device(torch.tensor(starts), device)
+
+    @classmethod
+    def build(cls, members: list[_Client], device: torch.device) -> _GroupData | None:
+        usable = all(c.ctx.augment is None and c.ctx.data.x.device == device for c in members)
+        return cls(members, device) if usable and any(len(c.ctx.data) for c in members) else None
 
 
 # ---------------------------------------------------------------------- group size
@@ -694,14 +785,15 @@ def group_size(free: int, per_client: int) -> int:
 
 
 def client_footprint(runner: ClientRunner, data: ClientData, batch_size: int) -> int:
-    """Bytes one more client of a group takes: its parameter rows, its padded batch and the activations of one
+    """Bytes one more client of a group takes: its parameter rows, its padded batch, its samples' copy in the
+    group's data (``_GroupData``; ``data``'s size stands for every client's) and the activations of one
     forward/backward, measured once on the shared model (on CUDA; estimated as 4 times the logits elsewhere)."""
     flat = runner.flat
     copies = ROW_COPIES if runner.train.optimizer == "sgd" else ADAM_ROW_COPIES
     rows = copies * flat.num_params * flat.params.element_size()
     x, y = data.x[:batch_size], data.y[:batch_size]
-    batch = batch_size * (x[0].numel() * x.element_size() + 8)
-    return rows + batch + activation_bytes(runner, x, y)
+    sample = x[0].numel() * x.element_size() + 8
+    return rows + (batch_size + len(data)) * sample + activation_bytes(runner, x, y)
 
 
 def activation_bytes(runner: ClientRunner, x: torch.Tensor, y: torch.Tensor) -> int:

@@ -30,7 +30,7 @@ from fedhet.engine.state import MemoryStateStore, State
 from fedhet.toolkit.confusion import PAPER_TAU, probability_matrix, soft_confusion, template_kl
 from fedhet.toolkit.evaluate import evaluate
 from fedhet.toolkit.flat import FlatModel
-from fedhet.toolkit.local import derive_seed
+from fedhet.toolkit.local import derive_seed, seed_global
 
 # reply tensors of run.eval_local_models; the simulation takes them out before the algorithm aggregates
 LOCAL_PARAMS, LOCAL_BUFFERS = "local_params", "local_buffers"
@@ -73,7 +73,7 @@ class ClientRunner:
         self, cid: int, rnd: int, phase_idx: int, phase: str, msg: Message, data: ClientData, state: State
     ) -> ClientContext:
         seed = derive_seed(self.run_seed, rnd, cid, phase_idx)
-        torch.manual_seed(seed)  # dropout and any other global-RNG use inside the model
+        seed_global(seed, self.flat.params.device)  # dropout and any other global-RNG use inside the model
         return ClientContext(
             cid=cid,
             round=rnd,
@@ -164,12 +164,34 @@ class ClientRunner:
 
 def check_finite(reply: Reply, state: State) -> None:
     """A client whose reply or new state is not finite is dropped, and its stored state is left as it was."""
-    for name, t in state.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise FloatingPointError(f"client state {name!r} has non-finite values")
-    for name, t in reply.tensors.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            raise FloatingPointError(f"reply tensor {name!r} has non-finite values")
+    tensors = floating_tensors(reply, state)
+    raise_nonfinite(reply, all_finite([t for _, t in tensors]), tensors)
+
+
+def floating_tensors(reply: Reply, state: State) -> list[tuple[str, torch.Tensor]]:
+    """(what, tensor) for every floating tensor of a client's new state and its reply: what must be finite."""
+    tensors = [(f"client state {n!r}", t) for n, t in state.items() if t.is_floating_point()]
+    return tensors + [(f"reply tensor {n!r}", t) for n, t in reply.tensors.items() if t.is_floating_point()]
+
+
+def all_finite(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each tensor holds only finite values, for all of them in a few multi-tensor kernels and one read
+    (a caller with many clients asks once: on a GPU one wait, not one per tensor). t * 0 is 0 where t is finite
+    and NaN where it is infinite or NaN, so the L1 norm of t * 0 is 0 exactly when t is all finite (a norm or sum
+    of t itself could overflow)."""
+    if not tensors:
+        return []
+    norms = torch._foreach_norm(torch._foreach_mul(tensors, 0.0), 1)
+    device = tensors[0].device
+    return [v == 0 for v in torch.stack([n.to(device, torch.float32) for n in norms]).tolist()]
+
+
+def raise_nonfinite(reply: Reply, finite: list[bool], tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """FloatingPointError naming the first of ``tensors`` that ``finite`` says is not, or the first non-finite
+    float scalar or metric of the reply."""
+    for (what, _), ok in zip(tensors, finite, strict=True):
+        if not ok:
+            raise FloatingPointError(f"{what} has non-finite values")
     for name, v in {**reply.scalars, **reply.metrics}.items():
         if isinstance(v, float) and not math.isfinite(v):
             raise FloatingPointError(f"reply value {name!r} is {v}")

@@ -25,6 +25,19 @@ def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0] >> 1)
 
 
+def seed_global(seed: int, device: torch.device) -> None:
+    """Seed torch's global generators for a client's run on ``device`` (dropout and any other global-RNG use inside
+    the model): the CPU's and, on a GPU, the GPU's; as ``torch.manual_seed`` does for them, without its cost per
+    call. ``torch.manual_seed`` also queues the seeding of every accelerator type not yet initialised and records
+    a formatted stack trace for each (about 0.2 ms a call, a quarter of a small model's batched round at 100
+    clients); those generators draw nothing in a run on another device."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(seed)
+    elif device.type != "cpu":
+        torch.manual_seed(seed)
+
+
 class FlatOptimizer:
     """What the local optimisers share: ``step()`` on ``flat`` (anything with ``params`` and ``grad`` tensors of one
     shape: a model's flat vectors or a slice of them) at ``lr``, and the state a kept optimiser carries into the
