@@ -191,6 +191,67 @@ def test_gathering_a_step_at_once_is_loading_client_by_client(tiny_config, algor
         assert cid == cid2 and all(torch.equal(state[n], state2[n]) for n in state2)
 
 
+def one_phase(sim: Simulation, **executor) -> tuple[dict, list]:
+    msgs = sim.algo.configure(1, list(range(sim.fed.num_clients)), "train")
+    return BatchedExecutor(sim.executor.runner, sim.fed.clients, **executor).run_phase(1, 0, "train", msgs)
+
+
+@pytest.mark.parametrize(
+    ("model", "algorithm"),
+    [
+        ({"name": "convnet", "channels": [8, 16], "hidden": 32}, {"name": "scaffold"}),
+        ({"name": "mlp", "hidden": [32]}, {"name": "moon", "projection_dim": 16}),  # its own loss, extra outputs
+    ],
+    ids=["convnet-scaffold", "mlp-moon"],
+)
+def test_the_compiled_step_traces_the_same_computation(tiny_config, model, algorithm, monkeypatch):
+    """run.compile: the vmapped step goes through torch.compile (here its graph capture with the same kernels,
+    backend "aot_eager", since the CPU's code generation takes minutes) and gives the uncompiled replies bit for
+    bit, one graph per count of active rows; "off" compiles nothing."""
+    import torch._dynamo
+
+    from fedhet.engine import batched
+
+    monkeypatch.setattr(batched, "COMPILE_BACKEND", "aot_eager")
+    sim = Simulation(tiny_config(model=model, train={**TRAIN, "batch_size": 7}, algorithm=algorithm))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    plain, _ = one_phase(sim, max_group=4)
+    assert not torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled, failures = one_phase(sim, max_group=4, compile_mode="reduce-overhead")  # no CUDA graphs on a CPU
+    assert not failures and compiled.keys() == plain.keys()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    for cid, reply in plain.items():
+        assert compiled[cid].metrics == reply.metrics
+        for name, t in reply.tensors.items():
+            assert torch.equal(compiled[cid].tensors[name], t), (cid, name)
+
+
+def test_a_failing_compiled_step_runs_uncompiled_after_one_warning(tiny_config, monkeypatch):
+    from fedhet.engine import batched
+
+    def broken(fn, **options):
+        def call(*args):
+            raise RuntimeError("no C++ compiler here")
+
+        return call
+
+    monkeypatch.setattr(batched.torch, "compile", broken)
+    sim = Simulation(tiny_config(train=TRAIN))
+    plain, _ = one_phase(sim, max_group=4)
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler here.*runs uncompiled") as caught:
+        compiled, failures = one_phase(sim, max_group=4, compile_mode="default")
+    assert len(caught) == 1 and not failures  # once, not once per step
+    for cid, reply in plain.items():
+        assert torch.equal(compiled[cid].tensors["params"], reply.tensors["params"])
+
+
+def test_compile_with_the_sequential_executor_says_it_runs_uncompiled(tiny_config, capsys):
+    sim = Simulation(tiny_config(run={"executor": "sequential", "compile": "default"}))
+    assert type(sim.executor) is LocalExecutor
+    assert "run.compile = 'default' compiles the batched executor's step" in capsys.readouterr().err
+
+
 def test_per_client_messages_and_unreadable_state(tiny_config):
     """Messages with different learning rates train each row at its own rate; a client whose stored state cannot be
     read, or whose before_local raises, is dropped like by the sequential executor, the others are unaffected."""

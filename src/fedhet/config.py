@@ -61,6 +61,11 @@ class RunSection(_Strict):
     # clients trained together by the batched executor; 0 = auto: on a GPU as many as the free device memory holds
     # (engine/batched.py, group_size), elsewhere 32. Changes only float rounding, like run.executor
     max_group: int = Field(0, ge=0)
+    # torch.compile of the batched executor's step (the group's vmapped forward, loss and backward) in this mode
+    # (engine/batched.py); "reduce-overhead" replays it as CUDA graphs on a GPU, where small steps are bound by
+    # kernel launches. The first steps of each group shape pay the compile time; changes only float rounding (the
+    # compiler fuses kernels), like run.executor. The sequential executor runs uncompiled
+    compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = "off"
     # FedACD's Tables 3 and 9 for any algorithm: each participant's local model (as local training left it) is
     # evaluated on the test set (local_risk: its error averaged over every client's label distribution, Eq. 3) and
     # on its own training data (local_kl: KL(P^m || Q), App. A.2); one extra pass of each per participant per round
@@ -829,6 +834,7 @@ RESUMABLE_CHANGES = (
     "run.workers",
     "run.executor",
     "run.max_group",
+    "run.compile",
     "run.client_metrics",  # whether client_metrics.jsonl is written: a copy of what the clients reported
 )
 

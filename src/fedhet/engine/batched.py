@@ -177,6 +177,43 @@ class RowFlat(FlatVectors):
         return self._flat.slices()
 
 
+COMPILE_BACKEND = "inductor"  # torch.compile's backend for run.compile (the tests: "aot_eager", no code generated)
+
+
+class _Compiled:
+    """``fn`` compiled by ``torch.compile`` in ``mode`` (``run.compile``; "off": ``fn`` itself, ``on`` False), one
+    graph per shape (a group's active rows shrink as clients finish; each count compiles once). With CUDA graphs
+    ("reduce-overhead" on CUDA) the outputs are copied out before the next replay overwrites them. Where compiling
+    or a compiled call fails, ``fn`` runs instead for the rest of the run, after one warning."""
+
+    def __init__(self, fn: Any, mode: str, device: torch.device) -> None:
+        self.fn, self.mode = fn, mode
+        self.on = mode != "off"
+        self.graphs = mode == "reduce-overhead" and device.type == "cuda"
+        options = {"mode": mode} if COMPILE_BACKEND == "inductor" and mode != "default" else {}
+        self.compiled = torch.compile(fn, backend=COMPILE_BACKEND, dynamic=False, **options) if self.on else fn
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.on:
+            return self.fn(*args)
+        try:
+            if self.graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            out = self.compiled(*args)
+        except Exception as err:
+            warnings.warn(
+                f"run.compile = {self.mode!r}: the compiled batched step failed ({type(err).__name__}: "
+                f"{str(err)[:300]}); it runs uncompiled from here",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self.on = False
+            return self.fn(*args)
+        if self.graphs:
+            return torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
+        return out
+
+
 class _SharedFailure(Exception):
     """The batched forward/backward itself failed (not one client's hook): the group runs sequentially instead."""
 
@@ -211,6 +248,7 @@ class BatchedExecutor:
         store: MemoryStateStore | None = None,
         max_group: int = 0,
         vmap_from: int = 3,
+        compile_mode: str = "off",
     ) -> None:
         self.sequential = LocalExecutor(runner, clients, store)
         self.runner = runner
@@ -220,6 +258,10 @@ class BatchedExecutor:
         self.vmap_from = vmap_from
         self._layout = parameter_layout(runner.model)
         self._grad_fn = vmap(grad_and_value(self._client_loss))
+        self._own_fn = vmap(grad_and_value(self._own_client_loss, has_aux=True), in_dims=(0, 0, 0, 0, None))
+        device = runner.flat.params.device
+        self._compiled_step = _Compiled(self._flat_gradients, compile_mode, device)
+        self._compiled_own = _Compiled(self._own_flat_gradients, compile_mode, device)
         self._apply = Apply(runner.model)  # the algorithm's own loss as a module over the shared model
         self._own_loss = _overrides(runner.algo, "loss")
         self._stacked: dict[tuple[int, ...], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
@@ -350,9 +392,32 @@ class BatchedExecutor:
                     losses.append(rows.new_zeros(()))
                 grad_rows[k].copy_(flat.grad)
             return torch.stack(losses)
+        if self._compiled_step.on:
+            flat_grads, losses = self._compiled_step(rows, x, y, batch.mask[:m], batch.count[:m])
+            grad_rows.copy_(flat_grads)
+            return losses.detach()
         grads, losses = self._grad_fn(self._param_views(rows), x, y, batch.mask[:m], batch.count[:m])
         torch.cat([grads[name].reshape(m, -1) for name, _, _ in self._layout], dim=1, out=grad_rows)
         return losses.detach()
+
+    def _flat_gradients(
+        self, rows: torch.Tensor, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, count: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' loss gradients as one (m, P) tensor and their losses: the step ``run.compile`` compiles."""
+        grads, losses = self._grad_fn(self._param_views(rows), x, y, mask, count)
+        return torch.cat([grads[name].reshape(len(rows), -1) for name, _, _ in self._layout], dim=1), losses
+
+    def _own_flat_gradients(
+        self,
+        rows: torch.Tensor,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        batched: dict[str, torch.Tensor],
+        shared: dict[str, torch.Tensor],
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """``_flat_gradients`` for an algorithm's own loss: (m, P) gradients, (losses, extra outputs)."""
+        grads, out = self._own_fn(self._param_views(rows), x, y, batched, shared)
+        return torch.cat([grads[name].reshape(len(rows), -1) for name, _, _ in self._layout], dim=1), out
 
     def _loss_gradients(
         self, rows: torch.Tensor, grad_rows: torch.Tensor, batch: _Batch, m: int, members: list[_Client]
@@ -378,12 +443,10 @@ class BatchedExecutor:
                 continue
             idx = to_device(torch.tensor(ks), rows.device)  # no host wait: a pinned, queued copy
             batched, shared = self._loss_inputs(ks, members)
-            fn = vmap(grad_and_value(self._own_client_loss, has_aux=True), in_dims=(0, 0, 0, 0, None))
-            params = self._param_views(rows.index_select(0, idx))
-            grads, (values, aux) = fn(params, batch.x[idx], batch.y[idx], batched, shared)
+            selected = rows.index_select(0, idx)
+            flat, (values, aux) = self._compiled_own(selected, batch.x[idx], batch.y[idx], batched, shared)
             for i, k in enumerate(ks):
                 record_aux(members[k].ctx.scratch, {name: v[i] for name, v in aux.items()})
-            flat = torch.cat([grads[name].reshape(len(ks), -1) for name, _, _ in self._layout], dim=1)
             grad_rows.index_copy_(0, idx, flat)
             losses[idx] = values.detach().to(losses.dtype)
         flat, algo = self.runner.flat, self.runner.algo

@@ -24,7 +24,12 @@ def build_executor(
     if cfg.run.executor == "batched" and kind != "batched":
         warn(f"{why}; its clients train one after another")
     if kind == "batched" and (cfg.run.executor == "batched" or workers == 1):
-        return BatchedExecutor(runner, fed.clients, store, cfg.run.max_group), 1
+        return BatchedExecutor(runner, fed.clients, store, cfg.run.max_group, compile_mode=cfg.run.compile), 1
+    if cfg.run.compile != "off":
+        warn(
+            f"run.compile = {cfg.run.compile!r} compiles the batched executor's step, and this run trains its clients "
+            f"one after another ({why}): it runs uncompiled"
+        )
     short = None if workers == 1 else shared_memory_short(fed.clients)
     if short:
         warn(f"run.workers={workers} needs the data in shared memory, but {short}: clients train here")
