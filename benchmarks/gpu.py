@@ -288,8 +288,14 @@ def config(args, name: str, dataset: str, clients: int, per_round: int, model: d
     )
 
 
-def fedhet_run(cfg, fed, profile: bool = False) -> tuple[list[float], dict]:
-    """Seconds per round of a fedhet run; with ``profile``, its second round run again, counted (``Launches``)."""
+def fedhet_run(cfg, fed, profile: bool = False, before: bool = False) -> tuple[list[float], dict]:
+    """Seconds per round of a fedhet run (``before``: as the executors were before the launch work); with
+    ``profile``, its second round run again, counted (``Launches``)."""
+    with before_launch_work() if before else nullcontext():
+        return timed_run(cfg, fed, profile)
+
+
+def timed_run(cfg, fed, profile: bool) -> tuple[list[float], dict]:
     sim = TimedSimulation(cfg, fed=fed)
     summary = sim.run(overwrite=True)
     rounds = [sim.round_s[r] for r in sorted(sim.round_s)]
@@ -441,9 +447,50 @@ def flower_run(cfg, fed, device: torch.device, gpus_per_client: float) -> tuple[
     }
 
 
-def with_executor(cfg, executor: str, name: str):
-    """``cfg`` run by ``executor`` ("sequential" | "batched") under the run name ``name``."""
-    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"executor": executor, "name": name})})
+def with_executor(cfg, executor: str, name: str, compile_mode: str = "off"):
+    """``cfg`` run by ``executor`` ("sequential" | "batched") under the run name ``name``, ``run.compile`` set."""
+    run = {"executor": executor, "name": name, "compile": compile_mode}
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update=run)})
+
+
+@contextmanager
+def before_launch_work():
+    """The executors as they were before the launch work of issue 47, for the "before" rows of one run: each client's
+    batch loaded on its own (a few ops per client and step), finiteness read tensor by tensor (on a GPU a wait each)
+    and each client's global generators seeded with ``torch.manual_seed`` (which queues the seeding of every
+    accelerator type with a formatted stack trace). Not restored: the shared model loaded with each client's row
+    before training (one copy a client)."""
+    from unittest import mock
+
+    from fedhet.engine import batched, client
+
+    def one_by_one(tensors):
+        return [bool(torch.isfinite(t).all()) for t in tensors]
+
+    with (
+        mock.patch.object(batched._GroupData, "build", classmethod(lambda cls, members, device: None)),
+        mock.patch.object(batched, "all_finite", one_by_one),
+        mock.patch.object(client, "all_finite", one_by_one),
+        mock.patch.object(client, "seed_global", lambda seed, device: torch.manual_seed(seed)),
+    ):
+        yield
+
+
+def runners(args, feds: Federations, title: str, cfg, label: str = "", profile: bool = False) -> list[Case]:
+    """The runners of one case: sequential and batched; with ``--before`` both as they were before the launch
+    work; with ``--compile MODE``, for the cases ``--compile-only`` names, batched with ``run.compile = MODE``."""
+    variants = [("sequential", False, "off"), ("batched", False, "off")]
+    if args.before:
+        variants += [("sequential", True, "off"), ("batched", True, "off")]
+    if args.compile != "off" and any(part in title for part in args.compile_only.split(",")):
+        variants.append(("batched", False, args.compile))
+    out = []
+    for ex, before, mode in variants:
+        words = (ex, label, "before" if before else "", "compiled" if mode != "off" else "")
+        c = with_executor(cfg, ex, f"{cfg.run.name}-{'-'.join(w for w in words if w)}", mode)
+        run = lambda c=c, before=before: fedhet_run(c, feds.get(key(c), c), profile, before)  # noqa: E731
+        out.append((title, " ".join(w for w in words if w), key(c), run))
+    return out
 
 
 # ---------------------------------------------------------------------- the cases
@@ -467,9 +514,7 @@ def cases(args, feds: Federations) -> list[Case]:
     model_a = {"name": "convnet", "channels": [8, 16], "hidden": 32} if small else {"name": "convnet"}
     cfg = config(args, "a", fm, clients, per_round, model_a, {"local_epochs": 1, "batch_size": 64}, "fedavg")
     a = f"(a) FedAvg convnet, {fm_what}, {per_round}/{clients} clients, E=1, B=64"
-    for ex in ("sequential", "batched"):
-        c = with_executor(cfg, ex, f"a-{ex}")
-        out.append((a, ex, key(cfg), lambda c=c: fedhet_run(c, feds.get(key(cfg), cfg), profile)))
+    out += runners(args, feds, a, cfg, profile=profile)
     out.append((a, "bare torch", key(cfg), lambda: bare_torch(cfg, feds.get(key(cfg), cfg), device, profile)))
     flower = (a, "flower", key(cfg), lambda: flower_run(cfg, feds.get(key(cfg), cfg), device, args.client_gpus))
     # (b)
@@ -486,9 +531,7 @@ def cases(args, feds: Federations) -> list[Case]:
             algo,
         )
         b = f"(b) {algo} 2NN, {fm_what}, {per_round}/{clients} clients, E={epochs}, B=10"
-        for ex in ("sequential", "batched"):
-            c = with_executor(cfg_b, ex, f"b-{algo}-{ex}")
-            out.append((b, ex, key(c), lambda c=c: fedhet_run(c, feds.get(key(c), c))))
+        out += runners(args, feds, b, cfg_b)
     # (c)
     clients, per_round, epochs = (10, 4, 1) if small else (100, 10, 5)
     model_c = {"name": "resnet18", "width": 4 if small else 64}
@@ -504,9 +547,7 @@ def cases(args, feds: Federations) -> list[Case]:
             "fedavg",
         )
         c_name = f"(c) FedAvg ResNet-18-GN, {cf_what}, {per_round}/{clients} clients, E={epochs}, B=50"
-        for ex in ("sequential", "batched"):
-            c = with_executor(cfg_c, ex, f"c-{prec}-{ex}")
-            out.append((c_name, f"{ex} {prec}", key(c), lambda c=c: fedhet_run(c, feds.get(key(c), c))))
+        out += runners(args, feds, c_name, cfg_c, label=prec)
     out += changed_losses(args, feds, cf, cf_what, model_c) + sweep(args, feds, fm, fm_what, cf, cf_what, model_c)
     return out + ([flower] if args.flower else [])  # last: Ray's start is the slowest and least predictable part
 
@@ -523,9 +564,7 @@ def changed_losses(args, feds: Federations, cf: str, cf_what: str, model_c: dict
             {"local_epochs": epochs, "batch_size": 50, "momentum": 0.9}, algo,
         )  # fmt: skip
         name = f"(d) {algo} ResNet-18-GN, {cf_what}, {per_round}/{clients} clients, E={epochs}, B=50"
-        for ex in ("sequential", "batched"):
-            c = with_executor(cfg, ex, f"d-{algo}-{ex}")
-            out.append((name, ex, key(c), lambda c=c: fedhet_run(c, feds.get(key(c), c))))
+        out += runners(args, feds, name, cfg)
     return out
 
 
@@ -550,9 +589,9 @@ def sweep(args, feds: Federations, fm: str, fm_what: str, cf: str, cf_what: str,
         for k in ks:
             cfg = cfg0.model_copy(update={"train": cfg0.train.model_copy(update={"clients_per_round": k})})
             name = f"(e) FedAvg {label}, {what}, {k}/{cfg.partition.num_clients} clients, E=1, B={batch}"
-            for ex in ("sequential", "batched"):
-                c = with_executor(cfg, ex, f"e-{ex}")
-                out.append((name, ex, key(c), lambda c=c: fedhet_run(c, feds.get(key(c), c))))
+            out += runners(
+                args, feds, name, cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": f"e-{label}-{k}"})})
+            )
     return out
 
 
@@ -585,11 +624,11 @@ def speedups(results: list[dict]) -> list[dict]:
     done = {(r["case"], r["runner"]): r for r in results if "error" not in r}
     out = []
     for (case, runner), bat in done.items():
-        kind, *precision = runner.split()
-        seq = done.get((case, " ".join(["sequential", *precision])))
+        kind, *rest = runner.split()
+        seq = done.get((case, " ".join(["sequential", *(w for w in rest if w != "compiled")])))
         if kind == "batched" and seq is not None:
             ratio = seq["s_per_round"] / bat["s_per_round"]
-            out.append({"case": case, "precision": " ".join(precision) or "fp32", "speedup": ratio})
+            out.append({"case": case, "runner": runner, "sequential": seq["runner"], "speedup": ratio})
     return out
 
 
@@ -621,6 +660,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=None, help="default 6 (3 with --small); rounds 2-6 are timed")
     ap.add_argument("--only", default="", help="run only the cases whose title contains this text, e.g. '(a)'")
     ap.add_argument("--profile", action="store_true", help="count what case (a)'s runners launch in a round")
+    ap.add_argument("--before", action="store_true", help="also each case's runners as before the launch work")
+    ap.add_argument(
+        "--compile", default="off", choices=["off", "default", "reduce-overhead", "max-autotune"],
+        help="also a batched runner with run.compile = this, in the cases --compile-only names",
+    )  # fmt: skip
+    ap.add_argument("--compile-only", default="(a),(b)", help="cases with a compiled runner (comma-separated)")
     ap.add_argument("--out", type=Path, default=Path("runs/gpu-bench"))
     args = ap.parse_args(argv)
     args.rounds = args.rounds or (3 if args.small else 6)
@@ -658,8 +703,10 @@ def write(args, device: torch.device, results: list[dict]) -> dict:
     cuda = f", CUDA {report['cuda']}" if report["cuda"] and device.type == "cuda" else ""
     md = f"Device: {report['device']}; torch {report['torch']}{cuda}; median of {timed}.\n\n{table(results)}\n"
     if report["speedups"]:
-        rows = "".join(f"| {r['case']} | {r['precision']} | {r['speedup']:.2f}x |\n" for r in report["speedups"])
-        head = "| case | precision | speed-up |\n|---|---|---|\n"
+        rows = "".join(
+            f"| {r['case']} | {r['runner']} | {r['sequential']} | {r['speedup']:.2f}x |\n" for r in report["speedups"]
+        )
+        head = "| case | batched runner | against | speed-up |\n|---|---|---|---|\n"
         md += f"\nSequential / batched seconds per round (from the unrounded times):\n\n{head}{rows}"
     if profile_table(results):
         md += f"\nWhat a round launches (an extra, untimed round):\n\n{profile_table(results)}\n"

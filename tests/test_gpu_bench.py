@@ -19,7 +19,9 @@ def test_small_mode_runs_every_case_and_writes_its_table(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    report = bench.main(["--small", "--device", "cpu", "--rounds", "2", "--profile", "--out", str(tmp_path)])
+    monkeypatch.setattr("fedhet.engine.batched.COMPILE_BACKEND", "aot_eager")  # the CPU's code generation: minutes
+    argv = ["--small", "--device", "cpu", "--rounds", "2", "--profile", "--before", "--compile", "default"]
+    report = bench.main([*argv, "--compile-only", "(a)", "--out", str(tmp_path)])
     results = report["results"]
     assert not [r for r in results if "error" in r]
     runners = {(r["case"][:3], r["runner"]) for r in results}
@@ -39,21 +41,31 @@ def test_small_mode_runs_every_case_and_writes_its_table(tmp_path, monkeypatch):
     assert runner_rows == len(results) and "median of rounds 2-2" in table
     assert "final_test_acc" in results[0] and 0 <= results[0]["final_test_acc"] <= 1
 
-    # speed-ups from the unrounded times, one per case and precision with both executors
-    ratios = {(r["case"], r["precision"]): r["speedup"] for r in report["speedups"]}
-    assert len(ratios) == len([r for r in results if r["runner"].startswith("batched")])
+    # every case's runners as they are and as they were before the launch work; case (a)'s compiled too
+    assert ("(a)", "batched compiled") in runners and not [r for r in runners if "compiled" in r[1] and r[0] != "(a)"]
+    assert {("(b)", "sequential before"), ("(b)", "batched before"), ("(c)", "batched bf16 before")} <= runners
+    # speed-ups from the unrounded times: each batched runner against the sequential one of the same build
     by = {(r["case"], r["runner"]): r["s_per_round"] for r in results}
-    for (case, precision), ratio in ratios.items():
-        suffix = "" if case[:3] != "(c)" else f" {precision}"
-        assert ratio == by[(case, "sequential" + suffix)] / by[(case, "batched" + suffix)]
+    assert len(report["speedups"]) == len([r for r in results if r["runner"].startswith("batched")])
+    for r in report["speedups"]:
+        assert r["speedup"] == by[(r["case"], r["sequential"])] / by[(r["case"], r["runner"])]
+        assert r["sequential"] == r["runner"].replace("batched", "sequential").replace(" compiled", "")
     assert "from the unrounded times" in table
     # what case (a)'s runners launch: the batched executor launches fewer ops a client than the sequential one
     profiles = {r["runner"]: r["profile"] for r in results if "profile" in r}
-    assert set(profiles) == {"sequential", "batched", "bare torch"}
+    assert set(profiles) == {
+        "sequential",
+        "batched",
+        "bare torch",
+        "sequential before",
+        "batched before",
+        "batched compiled",
+    }
     for p in profiles.values():
         assert p["clients"] == 10 and p["steps"] >= 1 and p["ops_per_round"] > 0 and p["cuda_kernels_per_round"] is None
     assert profiles["batched"]["step"] == "group step" and profiles["sequential"]["step"] == "client step"
     assert profiles["batched"]["ops_per_client"] < profiles["sequential"]["ops_per_client"] / 2
+    assert profiles["batched"]["ops_per_client"] < profiles["batched before"]["ops_per_client"]  # the launch work
     assert "What a round launches" in table
 
 
