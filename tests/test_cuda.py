@@ -8,6 +8,7 @@ H100: nothing on a CPU-only machine can catch that.
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -151,3 +152,46 @@ def test_to_device_queues_the_copy_without_a_host_wait():
     assert moved.is_cuda and torch.equal(moved.cpu(), draw)
     assert not [w for w in caught if "synchroniz" in str(w.message)]
     assert to_device(moved, "cuda") is moved and to_device(moved, moved.device) is moved
+
+
+def test_the_compiled_step_on_a_gpu_agrees_with_the_uncompiled_one(tiny_config, monkeypatch):
+    """run.compile = "reduce-overhead": the batched step compiled by inductor and replayed as CUDA graphs (the
+    outputs copied out before the next replay) gives the uncompiled replies to the executors' GPU tolerance."""
+    from fedhet.engine.batched import BatchedExecutor
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    ex, msgs = one_phase(tiny_config, "batched", GPU_MODELS["mlp"])
+    plain, _ = ex.run_phase(1, 0, "train", msgs)
+    compiled_ex = BatchedExecutor(ex.runner, ex.clients, compile_mode="reduce-overhead")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback to the uncompiled step fails the test
+        compiled, failures = compiled_ex.run_phase(1, 0, "train", msgs)
+    assert compiled_ex._compiled_step.on and compiled_ex._compiled_step.graphs and not failures
+    rel = GPU_REL["mlp"]
+    for cid, reply in plain.items():
+        t = reply.tensors["params"]
+        torch.testing.assert_close(compiled[cid].tensors["params"], t, rtol=rel, atol=rel * float(t.abs().max()))
+        assert compiled[cid].metrics["train_loss"] == pytest.approx(reply.metrics["train_loss"], rel=rel)
+
+
+def test_a_batched_phase_waits_for_the_gpu_as_often_with_more_clients(tiny_config):
+    """The replies' finiteness is read once per group, not once per client or tensor: a phase of 6 clients
+    synchronises as often as one of 3 (one group each)."""
+    from collections import Counter
+
+    def syncs(clients: int) -> Counter:
+        ex, msgs = one_phase(tiny_config, "batched", GPU_MODELS["mlp"])
+        msgs = {cid: msg for cid, msg in msgs.items() if cid < clients}
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                ex.run_phase(1, 0, "train", msgs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+
+    syncs(6)  # torch's once-per-process set-up
+    few, many = syncs(3), syncs(6)
+    assert few.total() == many.total(), f"3 clients: {dict(few)}; 6 clients: {dict(many)}"
