@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FedRANE's alpha = 5 cell of Tables 1-2 at the paper's scale on a GPU (issue 47, item 3): FedRANE and FedAvg on
+# FedRANE's alpha = 5 cell of Tables 1-2 at the paper's scale on a GPU (docs/performance.md): FedRANE and FedAvg on
 # Fashion-MNIST, 20 clients, Dirichlet(5), 100 rounds (the official code's global_rounds), seed 0, the protocol of
 # fmnist.toml, both cells at once on one GPU (--jobs 2). On this repository's CPU the cell ran 5 rounds; on an H100
 # shared by 16 cells a round took about 5 s for FedAvg and 22 s for FedRANE (LRA on every batch), so one call of
