@@ -84,3 +84,17 @@ def test_a_cases_federation_is_dropped_before_another_cases_runner(tmp_path, mon
     assert feds.fed is first
     feds.keep("b")  # another case's runner is next: the data goes
     assert feds.fed is None and feds.key is None
+
+
+@pytest.mark.slow
+def test_host_cost_times_both_builds_of_both_executors(tmp_path, monkeypatch):
+    monkeypatch.setattr(DATASETS, "_entries", dict(DATASETS._entries))
+    monkeypatch.chdir(tmp_path)  # its work folder is runs/ below the working directory
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    spec = importlib.util.spec_from_file_location("host_cost", SCRIPT.parent / "host_cost.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    report = bench.main(["--repeats", "1", "--clients", "20", "--per-round", "4", "--out", str(tmp_path / "h.json")])
+    assert set(report["s_per_round"]) == {"sequential", "sequential before", "batched", "batched before"}
+    assert all(len(v) == 1 and v[0] > 0 for v in report["s_per_round"].values())
+    assert json.loads((tmp_path / "h.json").read_text()) == report
