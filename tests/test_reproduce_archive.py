@@ -213,3 +213,35 @@ def test_privacy_table_names_a_failed_cell_and_its_reason(tmp_path):
     assert fedavg[2] == "[failed after round 4: no client finished round 5 (clients: FloatingPointError: non-finite)]"
     assert fedavg[3].startswith("16.0 (best 30.0 at round 1) (eps 1.00, z 3.04) [last evaluated at round 2; failed ")
     assert fedavg[4] == "78.0 |"
+
+
+@pytest.mark.slow  # two tunes of 2 rounds a trial on digits: 10-30 s
+def test_an_unfinished_tune_archived_and_restored_resumes_its_search(tmp_path):
+    """--partial keeps an unfinished tune's study.db (never over a finished tune's copy, nor over one as far), and
+    --restore brings it back to a runs folder without it: the tune's command then keeps its finished trials and
+    runs only the missing ones."""
+    import optuna
+    from test_tune import _env, _tune_command
+
+    archive = load(REPRODUCE / "archive.py")
+    runs, dest = tmp_path / "runs", tmp_path / "results"
+    done = subprocess.run(_tune_command(runs, 2, 1), env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    folder = runs / "tu"
+    for name in ("tune.json", "tune.md"):  # as if it had been stopped before writing its result
+        (folder / name).unlink()
+    assert archive.archive(runs, dest) == []  # not without --partial
+    assert archive.archive(runs, dest, partial=True) == ["tu (unfinished: 2 trials)"]
+    assert archive.archive(runs, dest, partial=True) == []  # as far as the copy: left alone
+    assert sorted(p.name for p in (dest / "tu").iterdir()) == ["study.db"]
+    fresh = tmp_path / "fresh"
+    assert archive.restore(dest, fresh) == (["tu"], [])
+    assert archive.restore(dest, fresh) == ([], ["tu"])  # a study already there is never replaced
+    more = subprocess.run(_tune_command(fresh, 3, 1), env=_env(), capture_output=True, text=True, timeout=600)
+    assert more.returncode == 0, more.stderr
+    assert "2 of 3 trials had finished before: kept" in more.stderr
+    study = optuna.load_study(study_name="tu", storage=f"sqlite:///{fresh / 'tu' / 'study.db'}")
+    assert [t.number for t in study.trials if t.state.is_finished()] == [0, 1, 2]
+    assert sorted(p.name for p in (fresh / "tu" / "trials").iterdir()) == ["2"]  # only the missing trial ran
+    assert archive.archive(fresh, dest, partial=True) == ["tu"]  # finished now: its record replaces the partial one
+    assert archive.archive(runs, dest, partial=True) == []  # never an unfinished copy over a finished tune's

@@ -20,7 +20,10 @@ every client's model non-finite.
 A tune's folder (``fedhet tune``, or ``tuning/<variant>`` of ``fedhet compare --tune``: one holding ``study.db``)
 keeps its record of the search, ``study.db`` (Optuna's SQLite study: every trial's values, reports and state),
 ``tune.json`` and ``tune.md``, once its ``tune.json`` is written; its trial runs are left out unless ``--trials``
-(they are the search, and the study holds what they reported).
+(they are the search, and the study holds what they reported). With ``--partial`` an unfinished tune keeps its
+``study.db`` too (replacing an archived unfinished copy only when it has more finished trials, never a finished
+tune's), and ``--restore`` copies it back: the tune's command then resumes the search where the study stopped (a
+trial that was running is run again from its start, since its run folder stayed behind).
 
 ``--checkpoint-mb MB`` also keeps a cell's last checkpoint (``checkpoints/last.pt``) where it is at most MB and the
 run folder holds nothing else a resume needs (no client states spilled to disk), so a later run on another
@@ -51,11 +54,22 @@ def in_tune(run: Path, root: Path) -> bool:
     return any((root / parent / "study.db").exists() for parent in run.relative_to(root).parents)
 
 
-def archive_tunes(root: Path, dest: Path) -> list[str]:
-    """Copy each finished tune's study.db, tune.json and tune.md (a newer tune.json replaces the copy)."""
+def finished_trials(db: Path) -> int:
+    """Trials of an Optuna SQLite study that ended (COMPLETE, PRUNED or FAIL), read without Optuna."""
+    import sqlite3
+
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+        return con.execute("SELECT COUNT(*) FROM trials WHERE state IN ('COMPLETE', 'PRUNED', 'FAIL')").fetchone()[0]
+
+
+def archive_tunes(root: Path, dest: Path, partial: bool = False) -> list[str]:
+    """Copy each finished tune's study.db, tune.json and tune.md (a newer tune.json replaces the copy); with
+    ``partial``, an unfinished tune's study.db too, where the archive holds no finished copy nor one as far."""
     copied = []
     for tune in tune_folders(root):
         if not (tune / "tune.json").exists():
+            if partial and archive_unfinished_tune(tune, dest / tune.relative_to(root)):
+                copied.append(f"{tune.relative_to(root)} (unfinished: {finished_trials(tune / 'study.db')} trials)")
             continue
         target = dest / tune.relative_to(root)
         if (target / "tune.json").exists() and (target / "tune.json").read_bytes() == (tune / "tune.json").read_bytes():
@@ -66,6 +80,16 @@ def archive_tunes(root: Path, dest: Path) -> list[str]:
                 shutil.copy2(tune / name, target / name)
         copied.append(str(tune.relative_to(root)))
     return copied
+
+
+def archive_unfinished_tune(tune: Path, target: Path) -> bool:
+    if (target / "tune.json").exists():  # the archive holds the finished tune
+        return False
+    if (target / "study.db").exists() and finished_trials(target / "study.db") >= finished_trials(tune / "study.db"):
+        return False
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(tune / "study.db", target / "study.db")
+    return True
 
 
 def finished_runs(root: Path, statuses: tuple[str, ...] = ("finished",)) -> list[Path]:
@@ -113,7 +137,7 @@ def archive(
     failed: bool = False,
     trials: bool = False,
 ) -> list[str]:
-    copied = archive_tunes(root, dest)
+    copied = archive_tunes(root, dest, partial)
     runs = set(logged_runs(root) if partial else finished_runs(root))
     if failed:
         runs |= set(finished_runs(root, ("failed",)))
@@ -143,8 +167,19 @@ def archive(
 
 
 def restore(dest: Path, root: Path) -> tuple[list[str], list[str]]:
-    """Copy every archived cell with a checkpoint back under ``root``; returns (restored, left alone as present)."""
+    """Copy every archived cell with a checkpoint and every archived tune back under ``root``; returns (restored,
+    left alone as present)."""
     restored, present = [], []
+    for tune in tune_folders(dest):
+        target = root / tune.relative_to(dest)
+        if (target / "study.db").exists():  # a study there may hold more trials than the archive's
+            present.append(str(tune.relative_to(dest)))
+            continue
+        target.mkdir(parents=True, exist_ok=True)
+        for name in TUNE_FILES:
+            if (tune / name).exists():
+                shutil.copy2(tune / name, target / name)
+        restored.append(str(tune.relative_to(dest)))
     for checkpoint in sorted(dest.rglob("checkpoints/last.pt")):
         cell = checkpoint.parent.parent
         target = root / cell.relative_to(dest)
@@ -160,10 +195,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", type=Path, help="the runs folder (with --restore: the archive)")
     parser.add_argument("dest", type=Path, help="the archive (with --restore: the runs folder)")
-    parser.add_argument("--partial", action="store_true", help="also keep cells that did not finish")
+    parser.add_argument("--partial", action="store_true", help="also keep cells and tunes that did not finish")
     parser.add_argument("--failed", action="store_true", help="also keep cells whose run failed (and why)")
     parser.add_argument("--checkpoint-mb", type=float, default=0.0, help="also keep last checkpoints up to this size")
-    parser.add_argument("--restore", action="store_true", help="copy archived cells with a checkpoint back to runs")
+    parser.add_argument(
+        "--restore", action="store_true", help="copy archived tunes and cells with a checkpoint back to runs"
+    )
     parser.add_argument("--trials", action="store_true", help="also keep the trial runs of tunes")
     args = parser.parse_args()
     if args.restore:
