@@ -456,10 +456,11 @@ def with_executor(cfg, executor: str, name: str, compile_mode: str = "off"):
 @contextmanager
 def before_launch_work():
     """The executors as they were before the launch work (docs/performance.md, "Fewer launches per client"), for
-    the "before" rows of one run: each client's batch loaded on its own (a few ops per client and step), finiteness
-    read tensor by tensor (on a GPU a wait each) and each client's global generators seeded with ``torch.manual_seed``
-    (which queues the seeding of every accelerator type with a formatted stack trace). Not restored: the shared model
-    loaded with each client's row before training (one copy a client)."""
+    the "before" rows of one run: each client's row set from its message and its batch loaded on its own (a few ops
+    per client and step), finiteness read tensor by tensor (on a GPU a wait each) and each client's global
+    generators seeded with ``torch.manual_seed`` (which queues the seeding of every accelerator type with a
+    formatted stack trace). Not restored: the shared model loaded with each client's row before training (one copy
+    a client)."""
     from unittest import mock
 
     from fedhet.engine import batched, client
@@ -469,6 +470,7 @@ def before_launch_work():
 
     with (
         mock.patch.object(batched._GroupData, "build", classmethod(lambda cls, members, device: None)),
+        mock.patch.object(batched, "_common_start", lambda members, params: None),
         mock.patch.object(batched, "all_finite", one_by_one),
         mock.patch.object(client, "all_finite", one_by_one),
         mock.patch.object(client, "seed_global", lambda seed, device: torch.manual_seed(seed)),

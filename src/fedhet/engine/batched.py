@@ -528,10 +528,14 @@ class BatchedExecutor:
         batch = _Batch(members[0].ctx.data, len(order), t.batch_size, params)
         group_data = _GroupData.build(members, params.device)
         index_device = None if group_data is not None else members[0].ctx.data.x.device  # fused: the host's
+        start = _common_start(members, params)
+        if start is not None:  # every row starts from the same received model: one broadcast copy
+            params.copy_(start.to(params.device).expand_as(params))
         for k, client in enumerate(members):
             ctx = client.ctx
             try:
-                ctx.flat.set_params(ctx.message.tensors["params"])
+                if start is None:
+                    ctx.flat.set_params(ctx.message.tensors["params"])
                 ctx.lr = float(ctx.message.scalars.get("lr", t.lr))
                 if reads_model:  # a hook reading ctx.model sees the client's parameters
                     flat.set_params(params[k])
@@ -650,6 +654,15 @@ class BatchedExecutor:
             self.store.put(cid, states[cid])
             replies[cid] = reply
         return replies, failures
+
+
+def _common_start(members: list[_Client], params: torch.Tensor) -> torch.Tensor | None:
+    """The received parameters when every member's message carries the same tensor (the usual broadcast of the
+    global model) of the rows' shape, else None (each row set on its own, as the sequential loop does)."""
+    first = members[0].ctx.message.tensors.get("params")
+    if first is None or first.shape != params.shape[1:]:
+        return None
+    return first if all(c.ctx.message.tensors.get("params") is first for c in members) else None
 
 
 class _RowOptimizer:
