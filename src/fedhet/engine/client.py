@@ -179,11 +179,15 @@ def all_finite(tensors: list[torch.Tensor]) -> list[bool]:
     (a caller with many clients asks once: on a GPU one wait, not one per tensor). t * 0 is 0 where t is finite
     and NaN where it is infinite or NaN, so the L1 norm of t * 0 is 0 exactly when t is all finite (a norm or sum
     of t itself could overflow)."""
-    if not tensors:
-        return []
-    norms = torch._foreach_norm(torch._foreach_mul(tensors, 0.0), 1)
-    device = tensors[0].device
-    return [v == 0 for v in torch.stack([n.to(device, torch.float32) for n in norms]).tolist()]
+    finite = [True] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):  # a state kept on the host beside replies on a GPU: one read per device
+        by_device.setdefault(t.device, []).append(i)
+    for positions in by_device.values():
+        norms = torch._foreach_norm(torch._foreach_mul([tensors[i] for i in positions], 0.0), 1)
+        for i, norm in zip(positions, torch.stack([n.float() for n in norms]).tolist(), strict=True):
+            finite[i] = norm == 0
+    return finite
 
 
 def raise_nonfinite(reply: Reply, finite: list[bool], tensors: list[tuple[str, torch.Tensor]]) -> None:
