@@ -207,7 +207,7 @@ def one_phase(sim: Simulation, **executor) -> tuple[dict, list]:
 def test_the_compiled_step_traces_the_same_computation(tiny_config, model, algorithm, monkeypatch):
     """run.compile: the vmapped step goes through torch.compile (here its graph capture with the same kernels,
     backend "aot_eager", since the CPU's code generation takes minutes) and gives the uncompiled replies bit for
-    bit, one graph per count of active rows; "off" compiles nothing."""
+    bit, compiled at most twice (a fixed, then a dynamic count of active rows); "off" compiles nothing."""
     import torch._dynamo
 
     from fedhet.engine import batched
@@ -220,7 +220,7 @@ def test_the_compiled_step_traces_the_same_computation(tiny_config, model, algor
     assert not torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled, failures = one_phase(sim, max_group=4, compile_mode="reduce-overhead")  # no CUDA graphs on a CPU
     assert not failures and compiled.keys() == plain.keys()
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+    assert 1 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 2
     for cid, reply in plain.items():
         assert compiled[cid].metrics == reply.metrics
         for name, t in reply.tensors.items():

@@ -63,8 +63,9 @@ class RunSection(_Strict):
     max_group: int = Field(0, ge=0)
     # torch.compile of the batched executor's step (the group's vmapped forward, loss and backward) in this mode
     # (engine/batched.py); "reduce-overhead" replays it as CUDA graphs on a GPU, where small steps are bound by
-    # kernel launches. The first steps of each group shape pay the compile time; changes only float rounding (the
-    # compiler fuses kernels), like run.executor. The sequential executor runs uncompiled
+    # kernel launches. The first steps pay the compile time (twice at most: a fixed and then a dynamic count of
+    # active clients); changes only float rounding (the compiler fuses kernels), like run.executor. The sequential
+    # executor runs uncompiled
     compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = "off"
     # FedACD's Tables 3 and 9 for any algorithm: each participant's local model (as local training left it) is
     # evaluated on the test set (local_risk: its error averaged over every client's label distribution, Eq. 3) and

@@ -181,17 +181,19 @@ COMPILE_BACKEND = "inductor"  # torch.compile's backend for run.compile (the tes
 
 
 class _Compiled:
-    """``fn`` compiled by ``torch.compile`` in ``mode`` (``run.compile``; "off": ``fn`` itself, ``on`` False), one
-    graph per shape (a group's active rows shrink as clients finish; each count compiles once). With CUDA graphs
-    ("reduce-overhead" on CUDA) the outputs are copied out before the next replay overwrites them. Where compiling
-    or a compiled call fails, ``fn`` runs instead for the rest of the run, after one warning."""
+    """``fn`` compiled by ``torch.compile`` in ``mode`` (``run.compile``; "off": ``fn`` itself, ``on`` False). A
+    group's active rows shrink as its clients finish: torch compiles the first count as a fixed shape and, at the
+    second, once more with the count dynamic (its automatic dynamic shapes), so a phase compiles at most twice; CUDA
+    graphs ("reduce-overhead" on CUDA) record one replay per count, and the outputs are copied out before the next
+    replay overwrites them. Where compiling or a compiled call fails, ``fn`` runs instead for the rest of the run,
+    after one warning."""
 
     def __init__(self, fn: Any, mode: str, device: torch.device) -> None:
         self.fn, self.mode = fn, mode
         self.on = mode != "off"
         self.graphs = mode == "reduce-overhead" and device.type == "cuda"
         options = {"mode": mode} if COMPILE_BACKEND == "inductor" and mode != "default" else {}
-        self.compiled = torch.compile(fn, backend=COMPILE_BACKEND, dynamic=False, **options) if self.on else fn
+        self.compiled = torch.compile(fn, backend=COMPILE_BACKEND, **options) if self.on else fn
 
     def __call__(self, *args: Any) -> Any:
         if not self.on:
