@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -79,6 +80,20 @@ def test_batched_equals_sequential_on_a_gpu(tiny_config, name, monkeypatch):
         torch.testing.assert_close(bat[cid].tensors["params"], t, rtol=rel, atol=rel * float(t.abs().max()))
 
 
+def phase_syncs(ex, msgs) -> Counter:
+    """Where a phase synchronised with the host: the Python line that called into torch, and how often (torch's sync
+    debug mode warns at each)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            ex.run_phase(1, 0, "train", msgs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+
+
 # (executor, model, algorithm, augment): the plain loop, an augmented image batch, FedACD's Mixup partners and
 # probability sums per step
 SYNC_CASES = [
@@ -96,23 +111,12 @@ def test_no_host_sync_per_step_on_a_gpu(tiny_config, executor, model, algorithm,
     """torch.cuda's sync debug mode warns at every host synchronisation: a phase of 2 epochs warns as often with
     batches of 4 as with batches of 16, four times the steps over the same passes (what is read once per client or
     per epoch stays, FedACD's estimate of P at each epoch's end; nothing is read per step or per batch)."""
-    import warnings
-    from collections import Counter
 
     def syncs(batch_size: int) -> Counter:
-        """Where the phase synchronised: the Python line that called into torch, and how often."""
         ex, msgs = one_phase(
             tiny_config, executor, GPU_MODELS[model], algorithm, augment=augment, local_epochs=2, batch_size=batch_size
         )
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                ex.run_phase(1, 0, "train", msgs)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+        return phase_syncs(ex, msgs)
 
     syncs(16)  # what torch does once per process (its first pinned copy, lazy CUDA set-up) is not counted
     few, many = syncs(16), syncs(4)
@@ -135,7 +139,6 @@ def test_augmentation_on_a_gpu_draws_what_the_cpu_draws(name):
 
 def test_to_device_queues_the_copy_without_a_host_wait():
     """A CPU draw reaches the GPU through pinned memory: the same values, and no synchronisation on the way."""
-    import warnings
 
     from fedhet.data.device import to_device
 
@@ -177,20 +180,10 @@ def test_the_compiled_step_on_a_gpu_agrees_with_the_uncompiled_one(tiny_config, 
 def test_a_batched_phase_waits_for_the_gpu_as_often_with_more_clients(tiny_config):
     """The replies' finiteness is read once per group, not once per client or tensor: a phase of 6 clients
     synchronises as often as one of 3 (one group each)."""
-    from collections import Counter
 
     def syncs(clients: int) -> Counter:
         ex, msgs = one_phase(tiny_config, "batched", GPU_MODELS["mlp"])
-        msgs = {cid: msg for cid, msg in msgs.items() if cid < clients}
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                ex.run_phase(1, 0, "train", msgs)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return Counter(f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+        return phase_syncs(ex, {cid: msg for cid, msg in msgs.items() if cid < clients})
 
     syncs(6)  # torch's once-per-process set-up
     few, many = syncs(3), syncs(6)

@@ -74,12 +74,17 @@ def archive_tunes(root: Path, dest: Path, partial: bool = False) -> list[str]:
         target = dest / tune.relative_to(root)
         if (target / "tune.json").exists() and (target / "tune.json").read_bytes() == (tune / "tune.json").read_bytes():
             continue
-        target.mkdir(parents=True, exist_ok=True)
-        for name in TUNE_FILES:
-            if (tune / name).exists():
-                shutil.copy2(tune / name, target / name)
+        copy_tune(tune, target)
         copied.append(str(tune.relative_to(root)))
     return copied
+
+
+def copy_tune(tune: Path, target: Path) -> None:
+    """The record files a tune folder holds, into ``target``."""
+    target.mkdir(parents=True, exist_ok=True)
+    for name in TUNE_FILES:
+        if (tune / name).exists():
+            shutil.copy2(tune / name, target / name)
 
 
 def archive_unfinished_tune(tune: Path, target: Path) -> bool:
@@ -175,10 +180,7 @@ def restore(dest: Path, root: Path) -> tuple[list[str], list[str]]:
         if (target / "study.db").exists():  # a study there may hold more trials than the archive's
             present.append(str(tune.relative_to(dest)))
             continue
-        target.mkdir(parents=True, exist_ok=True)
-        for name in TUNE_FILES:
-            if (tune / name).exists():
-                shutil.copy2(tune / name, target / name)
+        copy_tune(tune, target)
         restored.append(str(tune.relative_to(dest)))
     for checkpoint in sorted(dest.rglob("checkpoints/last.pt")):
         cell = checkpoint.parent.parent
