@@ -63,6 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
+from torch.nn.utils.rnn import pad_sequence
 
 from fedhet.algorithms.base import Algorithm, ClientContext, Message, Reply
 from fedhet.algorithms.contract import step_budget
@@ -792,9 +793,9 @@ class _Batch:
         m, size = len(idxs), self.x.shape[1]
         lengths = [0 if idx is None else len(idx) for idx in idxs]
         host = torch.zeros(m, size + 1, dtype=torch.long)  # fresh each step: an earlier ctx.batch stays as it was
-        for k, idx in enumerate(idxs):
-            if lengths[k]:
-                host[k, : lengths[k]] = idx
+        none = torch.zeros(0, dtype=torch.long)
+        padded = pad_sequence([none if idx is None else idx for idx in idxs], batch_first=True)  # one call, not m
+        host[:, : padded.shape[1]] = padded
         host[:, size] = torch.tensor(lengths)
         moved = to_device(host, self.x.device)  # one queued copy from pinned memory on a GPU; the host's on a CPU
         local, counts = moved[:, :size], moved[:, size]
