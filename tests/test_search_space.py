@@ -192,3 +192,20 @@ def test_the_docs_print_the_declared_ranges():
 
     page = (Path(__file__).parents[1] / "docs" / "tuning.md").read_text()
     assert spaces_markdown() in page, "docs/tuning.md: paste fedhet.tuning.space.spaces_markdown() under its table"
+
+
+def test_a_best_value_in_the_outer_twentieth_of_its_range_is_at_its_edge():
+    """On the range's own scale (log for log ranges): the study's FedProx chose lr 0.00103 on log:1e-3:0.3."""
+    lr = LogUniform(low=1e-3, high=0.3)
+    assert lr.edge(0.00103) == lr.edge(1e-3) == "lower" and lr.edge(0.28) == lr.edge(0.3) == "upper"
+    assert lr.edge(0.0013) == "lower"  # ln 1.3 / ln 300 = 4.6 % of the log range
+    assert lr.edge(0.002) is None and lr.edge(0.01) is None  # 12 %, 40 %
+    assert Uniform(low=0.5, high=2.0).edge(0.55) == "lower" and Uniform(low=0.5, high=2.0).edge(1.2) is None
+    assert IntRange(low=1, high=10).edge(10) == "upper" and IntRange(low=1, high=10).edge(5) is None
+    assert Choice(values=(0.1, 0.5, 1.0)).edge(0.1) is None  # a choice has no order
+    from fedhet.tuning.space import Dimension, SearchSpace
+
+    dims = [Dimension(key=k, spec=v, dist=parse_distribution(v)) for k, v in (("algorithm.mu", "log:1e-3:1"),
+            ("train.lr", "log:1e-3:0.3"))]  # fmt: skip
+    space = SearchSpace(dims=tuple(dims))
+    assert space.edges({"algorithm.mu": 0.0145, "train.lr": 0.00103}) == {"train.lr": "lower"}

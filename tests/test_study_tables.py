@@ -82,3 +82,14 @@ def test_claims_table_compares_each_method_with_its_best_tuned_baseline_paired_b
     assert "| -3.33 [-4.00, -3.00] ▼ against scaffold, p = 0.25 |" in rows["fedbc"]  # the better baseline of two
     assert "qfedavg 86.5 ± 0.5 <sub>s0,1,2</sub>; scaffold 91.0 ± 1.0 <sub>s0,1,2</sub>" in rows["fedbc"]
     assert "fedacd: not run yet" in rows["fedacd"]
+
+
+def test_tuning_table_marks_a_chosen_value_at_the_edge_of_its_range():
+    tables = load(BENCHMARKS / "tuning" / "tables.py", "tuning_tables")
+    summary = {
+        "space": "algorithm.mu=log:1e-3:1 train.lr=log:1e-3:0.3",
+        "best": {"params": {"algorithm.mu": 0.0145, "train.lr": 0.00103}},
+        "budget": {"complete": 10, "pruned": 6, "trials": 16, "rounds_run": 190, "rounds_nominal": 240},
+    }
+    assert tables.at_edge(summary) == {"train.lr": "lower"}
+    assert tables.chosen(summary) == ("mu=0.0145, lr=0.00103⇤", "10+6 of 16, 190/240 rounds")

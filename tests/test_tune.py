@@ -478,3 +478,21 @@ def test_several_tuning_seeds_give_a_trial_one_run_folder_per_seed(tmp_path):
     assert one.seeds == [] and one.base.run.seed == 7  # one seed: the trial's own run folder
     with pytest.raises(ConfigError, match=r"seeds: \[100, 101\] -> \[100, 102\]"):
         open_study(p.out_dir, p.base, p.space, p.settings, parallel=False, seeds=[100, 102])
+
+
+def test_a_best_value_at_the_edge_of_its_range_is_named_in_tune_md_and_marked_in_the_comparison():
+    from fedhet.tuning.compare import EDGE_NOTE, VariantTune, tuning_rows
+    from fedhet.tuning.tuner import TuneResult, result_markdown
+
+    budget = {"trials": 16, "complete": 10, "pruned": 6, "failed": 0, "rounds_per_trial": 15}
+    result = TuneResult(
+        out_dir=Path("tu"), study_name="fedprox", storage="sqlite:///tu/study.db", metric="val_acc", reduce="last",
+        direction="maximize", best_trial=3, best_value=0.6, best_params={"algorithm.mu": 0.0145, "train.lr": 0.00103},
+        best_run_dir=Path("tu/trials/3"), budget={**budget, "rounds_run": 190, "rounds_nominal": 240},
+        at_edge={"train.lr": "lower"},
+    )  # fmt: skip
+    assert result.to_json()["at_edge"] == {"train.lr": "lower"}
+    assert "at the edge of its range: train.lr (lower); the best may lie outside it" in result_markdown(result)
+    tuned = VariantTune(point="", variant="fedprox", out_dir=Path("tu"), space="train.lr", result=result)
+    head, rows = tuning_rows([tuned], "val_acc")
+    assert "algorithm.mu=0.0145, train.lr=0.00103 ⇤" in rows[0] and "⇤" in EDGE_NOTE

@@ -57,10 +57,31 @@ def tune_summary(out: Path, kind: str, method: str, archive: Path | None = None)
     return None
 
 
+def at_edge(summary: dict) -> dict[str, str]:
+    """The best values at an edge of their range ("lower" | "upper"), from the tune's space (older tune.json files
+    have no "at_edge" field)."""
+    from fedhet.tuning.space import parse_distribution
+
+    found = {}
+    for item in summary.get("space", "").split():
+        key, _, spec = item.partition("=")
+        value = summary["best"]["params"].get(key)
+        side = None if value is None else parse_distribution(spec).edge(value)
+        if side is not None:
+            found[key] = side
+    return found
+
+
+MARKS = {"lower": "⇤", "upper": "⇥"}
+
+
 def chosen(summary: dict | None) -> tuple[str, str]:
     if summary is None or summary.get("best") is None:
         return "–", "–"
-    values = ", ".join(f"{k.split('.')[-1]}={v:.3g}" for k, v in summary["best"]["params"].items())
+    edges = at_edge(summary)
+    values = ", ".join(
+        f"{k.split('.')[-1]}={v:.3g}{MARKS.get(edges.get(k), '')}" for k, v in summary["best"]["params"].items()
+    )
     b = summary["budget"]
     budget = f"{b['complete']}+{b['pruned']} of {b['trials']}, {b['rounds_run']}/{b['rounds_nominal']} rounds"
     return values, budget
@@ -157,6 +178,7 @@ def main() -> None:
         print(f"\n### {title}: global test accuracy (%) after {ROUNDS} rounds\n")
         print("\n".join(kind_table(args.out, kind)))
     print("\n¹ FedBN has no global model (each client keeps its BatchNorm layers): left out of the tuned study.")
+    print("⇤ / ⇥: chosen at the lower / upper edge of its range (the outer 5 %); the best may lie outside it.")
     print("\n### The claims, both methods tuned: final test accuracy (%)\n")
     print("\n".join(claims_table(args.claims)))
 

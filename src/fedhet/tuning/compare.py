@@ -192,7 +192,11 @@ def tuning_record(tuned: VariantTune) -> dict[str, Any]:
         "params": result.best_params,
         "space": result.space,
         "budget": result.budget,
+        "at_edge": result.at_edge,
     }
+
+
+EDGE_NOTE = "⇤ / ⇥: chosen at the lower / upper edge of its range; the best may lie outside it (a wider range tells)"
 
 
 def tuning_rows(tuned: list[VariantTune], metric: str) -> tuple[list[str], list[list[str]]]:
@@ -206,7 +210,8 @@ def tuning_rows(tuned: list[VariantTune], metric: str) -> tuple[list[str], list[
         if r is None:
             row = [t.variant, "(nothing to tune: defaults)", "0", "0", "", ""]
         else:
-            values = ", ".join(f"{k}={value_text(v)}" for k, v in r.best_params.items())
+            edge = {"lower": " ⇤", "upper": " ⇥"}  # at the range's lower / upper edge
+            values = ", ".join(f"{k}={value_text(v)}{edge.get(r.at_edge.get(k), '')}" for k, v in r.best_params.items())
             b = r.budget
             trials = f"{b['trials']} ({b['pruned']} pruned)" if b["pruned"] else str(b["trials"])
             row = [
@@ -233,6 +238,9 @@ def print_tuning(tuned: list[VariantTune], options: TuneOptions, out_dir: Path, 
     console.print(table)
     lines = ["", f"## {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(v.replace("|", "\\|") for v in row) + " |" for row in rows]
+    if any(t.result is not None and t.result.at_edge for t in tuned):
+        console.print(escape(EDGE_NOTE), style="yellow", highlight=False)
+        lines += ["", EDGE_NOTE]
     path = out_dir / "comparison.md"
     if path.exists():
         path.write_text(path.read_text() + "\n".join(lines) + "\n")

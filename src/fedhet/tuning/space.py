@@ -50,6 +50,9 @@ class LogUniform(Params):
     def suggest(self, trial: Any, name: str) -> float:
         return trial.suggest_float(name, self.low, self.high, log=True)
 
+    def edge(self, value: Any) -> str | None:
+        return _edge(math.log(value), math.log(self.low), math.log(self.high))
+
 
 class Uniform(Params):
     kind: Literal["uniform"] = "uniform"
@@ -66,6 +69,9 @@ class Uniform(Params):
 
     def suggest(self, trial: Any, name: str) -> float:
         return trial.suggest_float(name, self.low, self.high)
+
+    def edge(self, value: Any) -> str | None:
+        return _edge(value, self.low, self.high)
 
 
 class IntRange(Params):
@@ -87,6 +93,10 @@ class IntRange(Params):
     def suggest(self, trial: Any, name: str) -> int:
         return trial.suggest_int(name, self.low, self.high, log=self.log)
 
+    def edge(self, value: Any) -> str | None:
+        scale = math.log if self.log else float
+        return _edge(scale(value), scale(self.low), scale(self.high))
+
 
 class Choice(Params):
     kind: Literal["choice"] = "choice"
@@ -106,9 +116,25 @@ class Choice(Params):
     def suggest(self, trial: Any, name: str) -> Any:
         return trial.suggest_categorical(name, list(self.values))
 
+    def edge(self, value: Any) -> str | None:
+        return None  # a choice has no order to be at the end of
+
 
 # told apart by ``kind`` (a discriminated union would clash with Params' field validators; the literal suffices)
 Distribution = LogUniform | Uniform | IntRange | Choice
+
+
+EDGE = 0.05  # a best value in the outer 5 % of its range (on the range's scale) is "at the edge"
+
+
+def _edge(value: float, low: float, high: float) -> str | None:
+    """ "lower" or "upper" where ``value`` lies in the outer ``EDGE`` of [low, high] or on a bound, else None."""
+    position = (value - low) / (high - low)
+    if value <= low or position <= EDGE:
+        return "lower"
+    if value >= high or position >= 1 - EDGE:
+        return "upper"
+    return None
 
 
 def _check_order(low: float, high: float) -> None:
@@ -142,6 +168,12 @@ class SearchSpace(Params):
     def describe(self) -> str:
         """``algorithm.mu=log:1e-3:1 train.lr=log:1e-3:0.3`` (what ``-t`` takes back)."""
         return " ".join(f"{d.key}={d.spec}" for d in self.dims)
+
+    def edges(self, values: dict[str, Any]) -> dict[str, str]:
+        """The settings of ``values`` (a best trial's) that lie at an edge of their range, "lower" or "upper": the
+        best may lie outside the range searched, which a wider range would tell."""
+        found = {d.key: d.dist.edge(values[d.key]) for d in self.dims if values.get(d.key) is not None}
+        return {key: side for key, side in found.items() if side is not None}
 
 
 # ----------------------------------------------------------------------------------------------------- parsing

@@ -74,6 +74,7 @@ class TuneResult:
     budget: dict[str, int]
     importances: dict[str, float] = field(default_factory=dict)
     space: str = ""
+    at_edge: dict[str, str] = field(default_factory=dict)  # best values at an edge of their range: "lower" | "upper"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -91,6 +92,7 @@ class TuneResult:
             },
             "budget": self.budget,
             "importances": self.importances,
+            "at_edge": self.at_edge,
         }
 
 
@@ -398,6 +400,7 @@ def summarise(study: Any, plan: TunePlan) -> TuneResult:
         budget=spent,
         importances=importances(study, plan.space, spent["complete"]),
         space=plan.space.describe(),
+        at_edge={} if best is None else plan.space.edges(dict(best.params)),
     )
 
 
@@ -416,6 +419,14 @@ def value_text(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else format_value(value)
 
 
+def edge_text(at_edge: dict[str, str]) -> str:
+    """ "at the edge of its range: train.lr (lower); the best may lie outside it: widen the range to know" """
+    if not at_edge:
+        return ""
+    sides = ", ".join(f"{key} ({side})" for key, side in at_edge.items())
+    return f"at the edge of its range: {sides}; the best may lie outside it: widen the range to know"
+
+
 def result_markdown(result: TuneResult) -> str:
     lines = [f"# Tune {result.study_name}", ""]
     lines += [f"space: `{result.space}`", f"objective: {result.metric} ({result.reduce}, {result.direction})", ""]
@@ -431,6 +442,8 @@ def result_markdown(result: TuneResult) -> str:
         for key, value in result.best_params.items():
             weight = result.importances.get(key)
             lines.append(f"| `{key}` | {value_text(value)} | {'' if weight is None else f'{weight:.2f}'} |")
+        if result.at_edge:
+            lines += ["", edge_text(result.at_edge)]
     lines += ["", f"budget: {budget_text(result.budget)}", f"study: {result.storage} (study {result.study_name!r})"]
     return "\n".join(lines) + "\n"
 
@@ -459,6 +472,8 @@ def print_result(result: TuneResult, console: Console) -> None:
             cells.append(f"{result.importances.get(key, 0.0):.2f}")
         table.add_row(*cells)
     console.print(table)
+    if result.at_edge:
+        console.print(escape(edge_text(result.at_edge)), style="yellow", highlight=False)
     console.print(escape(f"budget: {budget_text(result.budget)}"), highlight=False)
     console.print(escape(f"best run: {result.best_run_dir}"), highlight=False)
     console.print(escape(f"study: {result.storage}\nsummary: {result.out_dir / 'tune.json'}, tune.md"), highlight=False)
