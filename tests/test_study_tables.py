@@ -44,10 +44,12 @@ def test_tuning_table_sets_each_tuned_cell_beside_its_default_with_ranks_and_bud
         "55.3 ± 5.0 <sub>s0,1,2</sub>",
         "-6.7 ± 3.1 <sub>s0,1,2</sub>",
         "1 → 2",
+        "–",  # the baseline itself
         "lr=0.002",
         "9+7 of 16, 170/240 rounds |",
     ]
     assert "| 2 → 1 |" in rows["scaffold"] and "+30.0 ± 0.0 <sub>s0,1,2</sub>" in rows["scaffold"]
+    assert rows["scaffold"].split(" | ")[5] == "+14.7 [+10.0, +20.0]▲"  # 70 - (50, 56, 60), paired by seed
     assert rows["moon"].split(" | ")[2] == "–"
     assert "n/a¹" in rows["fedbn"]
 

@@ -92,8 +92,24 @@ def ranks(means: dict[str, float]) -> dict[str, int]:
     return {m: i + 1 for i, m in enumerate(order)}
 
 
+BASELINE = "fedavg"  # the kind tables' paired comparison: each tuned method against tuned FedAvg
+
+
+def against_baseline(tuned: dict[int, float], base: dict[int, float]) -> str:
+    """Mean tuned − tuned-baseline difference paired by seed (a seed's cells share its partition), with the 95 %
+    paired bootstrap interval and ▲/▼ where it excludes 0 (fedhet.results.stats, as fedhet compare gives them)."""
+    from fedhet.results.stats import paired_difference
+
+    seeds = sorted(set(tuned) & set(base))
+    diff = paired_difference([tuned[s] for s in seeds], [base[s] for s in seeds])
+    if diff.mean is None:
+        return "–"
+    return f"{diff.mean:+.1f} [{diff.ci_low:+.1f}, {diff.ci_high:+.1f}]{diff.marker}"
+
+
 def kind_table(out: Path, kind: str) -> list[str]:
-    head = ["method", "default", "tuned", "tuned − default", "rank default → tuned", "chosen", "budget"]
+    head = ["method", "default", "tuned", "tuned − default", "rank default → tuned", f"tuned − tuned {BASELINE}"]
+    head += ["chosen", "budget"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---|" * (len(head) - 1)]
     default = {m: _method(DEFAULTS / kind, m) for m in METHODS}
     tuned = {m: {**_method(ARCHIVE / kind, m), **_method(out / kind, m)} for m in METHODS}
@@ -103,12 +119,13 @@ def kind_table(out: Path, kind: str) -> list[str]:
     for m in METHODS:
         values, budget = chosen(tune_summary(out, kind, m))
         if m in NO_GLOBAL_MODEL:
-            lines.append(f"| {m} | n/a¹ | n/a¹ | | | | |")
+            lines.append(f"| {m} | n/a¹ | n/a¹ | | | | | |")
             continue
         shared = sorted(set(default[m]) & set(tuned[m]))
         diff = spread({s: tuned[m][s] - default[m][s] for s in shared}, signed=True)
         rank = f"{rank_default[m]} → {rank_tuned[m]}" if m in both else "–"
-        cells = [spread(default[m]), spread(tuned[m]), diff, rank, values, budget]
+        versus = against_baseline(tuned[m], tuned[BASELINE]) if m != BASELINE and tuned[m] else "–"
+        cells = [spread(default[m]), spread(tuned[m]), diff, rank, versus, values, budget]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return lines
 
