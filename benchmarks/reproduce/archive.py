@@ -88,7 +88,7 @@ def copy_tune(tune: Path, target: Path) -> None:
 
 
 def archive_unfinished_tune(tune: Path, target: Path) -> bool:
-    if (target / "tune.json").exists():  # the archive holds the finished tune
+    if (target / "tune.json").exists() or not finished_trials(tune / "study.db"):  # finished there, or nothing yet
         return False
     if (target / "study.db").exists() and finished_trials(target / "study.db") >= finished_trials(tune / "study.db"):
         return False
