@@ -306,3 +306,21 @@ def test_a_run_with_workers_under_a_long_tmpdir_is_refused_in_one_line(tmp_path)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith("error: worker processes cannot get their data through the temporary folder")
+
+
+def test_a_ctrl_c_in_another_thread_during_a_workers_start_is_raised_after_it():
+    """The kernel may deliver a Ctrl-C to any thread that does not block it; Python then raises KeyboardInterrupt in
+    the main thread, which must not happen in the middle of a worker's start (the worker would fail to read its
+    preparation data and print a traceback): it is raised once the start is over."""
+    import threading
+
+    from fedhet.engine import workers
+
+    finished = False
+    with pytest.raises(KeyboardInterrupt), workers._sigint_held():
+        other = threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT))
+        other.start()
+        other.join()
+        time.sleep(0.1)  # many bytecode boundaries: an undeferred handler would raise here
+        finished = True
+    assert finished

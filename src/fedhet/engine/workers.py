@@ -90,11 +90,22 @@ def _sigint_held() -> Iterator[None]:
     if not hasattr(signal, "pthread_sigmask"):  # Windows: no POSIX signals to inherit
         yield
         return
+    # The mask holds only this thread: the kernel may hand a Ctrl-C to another thread of the process, and Python then
+    # runs its handler in the main thread, raising KeyboardInterrupt in the middle of the start (between spawning
+    # the worker and sending it its preparation data, which it then fails to read, with a traceback). So in the main
+    # thread the handler also waits: a Ctrl-C that came meanwhile is raised again once the worker has started.
+    pending: list[int] = []
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum)) if main else None
     before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        if main:
+            signal.signal(signal.SIGINT, handler if handler is not None else signal.default_int_handler)
+            if pending:
+                signal.raise_signal(signal.SIGINT)
 
 
 def _owned_temp_dir() -> str | None:
