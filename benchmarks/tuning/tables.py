@@ -60,28 +60,18 @@ def tune_summary(out: Path, kind: str, method: str, archive: Path | None = None)
 def at_edge(summary: dict) -> dict[str, str]:
     """The best values at an edge of their range ("lower" | "upper"), from the tune's space (older tune.json files
     have no "at_edge" field)."""
-    from fedhet.tuning.space import parse_distribution
+    from fedhet.tuning.space import edges_of
 
-    found = {}
-    for item in summary.get("space", "").split():
-        key, _, spec = item.partition("=")
-        value = summary["best"]["params"].get(key)
-        side = None if value is None else parse_distribution(spec).edge(value)
-        if side is not None:
-            found[key] = side
-    return found
-
-
-MARKS = {"lower": "⇤", "upper": "⇥"}
+    return edges_of(summary.get("space", ""), summary["best"]["params"])
 
 
 def chosen(summary: dict | None) -> tuple[str, str]:
     if summary is None or summary.get("best") is None:
         return "–", "–"
-    edges = at_edge(summary)
-    values = ", ".join(
-        f"{k.split('.')[-1]}={v:.3g}{MARKS.get(edges.get(k), '')}" for k, v in summary["best"]["params"].items()
-    )
+    from fedhet.tuning.space import EDGE_MARKS
+
+    marks = {k: EDGE_MARKS[side] for k, side in at_edge(summary).items()}
+    values = ", ".join(f"{k.split('.')[-1]}={v:.3g}{marks.get(k, '')}" for k, v in summary["best"]["params"].items())
     b = summary["budget"]
     budget = f"{b['complete']}+{b['pruned']} of {b['trials']}, {b['rounds_run']}/{b['rounds_nominal']} rounds"
     return values, budget

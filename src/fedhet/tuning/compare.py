@@ -23,7 +23,7 @@ from rich.table import Table
 from fedhet.config import Config, build_config
 from fedhet.errors import ConfigError, RunFailed
 from fedhet.results.store import read_json, write_json_atomic
-from fedhet.tuning.space import build_space, configured, tunable_parameters
+from fedhet.tuning.space import EDGE_MARKS, build_space, configured, tunable_parameters
 from fedhet.tuning.study import TuneSettings
 from fedhet.tuning.tuner import TuneResult, budget_text, plan_tune, tune, value_text
 
@@ -210,8 +210,8 @@ def tuning_rows(tuned: list[VariantTune], metric: str) -> tuple[list[str], list[
         if r is None:
             row = [t.variant, "(nothing to tune: defaults)", "0", "0", "", ""]
         else:
-            edge = {"lower": " ⇤", "upper": " ⇥"}  # at the range's lower / upper edge
-            values = ", ".join(f"{k}={value_text(v)}{edge.get(r.at_edge.get(k), '')}" for k, v in r.best_params.items())
+            marks = {k: f" {EDGE_MARKS[side]}" for k, side in r.at_edge.items()}
+            values = ", ".join(f"{k}={value_text(v)}{marks.get(k, '')}" for k, v in r.best_params.items())
             b = r.budget
             trials = f"{b['trials']} ({b['pruned']} pruned)" if b["pruned"] else str(b["trials"])
             row = [

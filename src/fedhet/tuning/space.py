@@ -125,6 +125,18 @@ Distribution = LogUniform | Uniform | IntRange | Choice
 
 
 EDGE = 0.05  # a best value in the outer 5 % of its range (on the range's scale) is "at the edge"
+EDGE_MARKS = {"lower": "⇤", "upper": "⇥"}  # how tables mark a value at the lower / upper edge
+
+
+def edges_of(space: str, values: dict[str, Any]) -> dict[str, str]:
+    """``SearchSpace.edges`` from a space as ``describe`` writes it (a tune.json's "space")."""
+    found = {}
+    for item in space.split():
+        key, _, spec = item.partition("=")
+        side = None if values.get(key) is None else parse_distribution(spec).edge(values[key])
+        if side is not None:
+            found[key] = side
+    return found
 
 
 def _edge(value: float, low: float, high: float) -> str | None:
