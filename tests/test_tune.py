@@ -302,7 +302,7 @@ def test_tune_with_two_jobs_writes_a_study_optuna_reads(tmp_path):
 @pytest.mark.slow  # a tune killed with -9 in the middle, then run again: a minute or two on 2 shared cores
 def test_a_killed_tune_resumes_without_duplicating_finished_trials(tmp_path):
     trials, folder = 6, tmp_path / "tu"
-    command = [*_tune_command(tmp_path, trials, 1), "-s", "run.rounds=4"]
+    command = [*_tune_command(tmp_path, trials, 1), "-s", "run.rounds=10"]  # a window to kill it mid-trial
     proc = subprocess.Popen(
         command, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )
