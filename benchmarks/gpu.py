@@ -478,14 +478,22 @@ def before_launch_work():
         yield
 
 
+def named(title: str, cases: str) -> bool:
+    """Whether a comma-separated list of case names ("(a),(b)") names the case ``title``."""
+    return any(part and part in title for part in cases.split(","))
+
+
 def runners(args, feds: Federations, title: str, cfg, label: str = "", profile: bool = False) -> list[Case]:
     """The runners of one case: sequential and batched; with ``--before`` both as they were before the launch
-    work; with ``--compile MODE``, for the cases ``--compile-only`` names, batched with ``run.compile = MODE``."""
+    work; with ``--compile MODE``, batched with ``run.compile = MODE`` in the cases ``--compile-only`` names, and
+    sequential with it in those ``--compile-sequential`` names."""
     variants = [("sequential", False, "off"), ("batched", False, "off")]
     if args.before:
         variants += [("sequential", True, "off"), ("batched", True, "off")]
-    if args.compile != "off" and any(part in title for part in args.compile_only.split(",")):
+    if args.compile != "off" and named(title, args.compile_only):
         variants.append(("batched", False, args.compile))
+    if args.compile != "off" and named(title, args.compile_sequential):
+        variants.append(("sequential", False, args.compile))
     out = []
     for ex, before, mode in variants:
         words = (ex, label, "before" if before else "", "compiled" if mode != "off" else "")
@@ -668,6 +676,9 @@ def main(argv: list[str] | None = None) -> dict:
         help="also a batched runner with run.compile = this, in the cases --compile-only names",
     )  # fmt: skip
     ap.add_argument("--compile-only", default="(a),(b)", help="cases with a compiled runner (comma-separated)")
+    ap.add_argument(
+        "--compile-sequential", default="", help="cases with a compiled sequential runner too (comma-separated)"
+    )
     ap.add_argument("--out", type=Path, default=Path("runs/gpu-bench"))
     args = ap.parse_args(argv)
     args.rounds = args.rounds or (3 if args.small else 6)

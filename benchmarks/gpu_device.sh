@@ -16,14 +16,14 @@ if "$PY" -c "import xdist" 2>/dev/null; then workers=(-n 8); fi
 timeout 150 "$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" -rf --tb=short tests/test_cuda.py 2>&1 | tail -40 |
     tee "$OUT/test_cuda.txt"
 # Before and after the launch work (--before), case (a)'s launches counted (--profile), a compiled batched runner
-# (run.compile = reduce-overhead: CUDA graphs) in cases (a) and (b); 3 rounds a runner (rounds 2-3 timed): the run
-# of 2026-11-28 took 365 s for 4 rounds of the after-runners alone. Results are written after every runner, so a
-# cut-off keeps what finished (the cases run in order (a) to (e)); Flower runs last.
+# (run.compile = reduce-overhead: CUDA graphs) in cases (a) and (b), a compiled sequential one in (b); 3 rounds a
+# runner (rounds 2-3 timed): the run of 2026-11-28 took 365 s for 4 rounds of the after-runners alone. Results are
+# written after every runner, so a cut-off keeps what finished (the cases run in order (a) to (e)); Flower runs last.
 flower=()
 if "$PY" -c "import flwr, ray" 2>/dev/null; then flower=(--flower); else
     echo "Flower's Ray simulation is not installed here (Ray's wheel is not among the copied ones): case (a) runs without it"
 fi
 timeout "${BENCH_S:-400}" "$PY" benchmarks/gpu.py --device cuda --rounds "${ROUNDS:-3}" --profile --before \
-    --compile reduce-overhead --compile-only "(a),(b)" "${flower[@]}" --out "$OUT" 2>&1 | grep -v "^warning" |
+    --compile reduce-overhead --compile-only "(a),(b)" --compile-sequential "(b)" "${flower[@]}" --out "$OUT" 2>&1 | grep -v "^warning" |
     tee "$OUT/bench.log"
 cat "$OUT/gpu.md"

@@ -210,9 +210,9 @@ def test_the_compiled_step_traces_the_same_computation(tiny_config, model, algor
     bit, compiled at most twice (a fixed, then a dynamic count of active rows); "off" compiles nothing."""
     import torch._dynamo
 
-    from fedhet.engine import batched
+    from fedhet.toolkit import compiled as compiled_module
 
-    monkeypatch.setattr(batched, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(compiled_module, "COMPILE_BACKEND", "aot_eager")
     sim = Simulation(tiny_config(model=model, train={**TRAIN, "batch_size": 7}, algorithm=algorithm))
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -228,7 +228,7 @@ def test_the_compiled_step_traces_the_same_computation(tiny_config, model, algor
 
 
 def test_a_failing_compiled_step_runs_uncompiled_after_one_warning(tiny_config, monkeypatch):
-    from fedhet.engine import batched
+    from fedhet.toolkit import compiled as compiled_module
 
     def broken(fn, **options):
         def call(*args):
@@ -236,7 +236,7 @@ def test_a_failing_compiled_step_runs_uncompiled_after_one_warning(tiny_config, 
 
         return call
 
-    monkeypatch.setattr(batched.torch, "compile", broken)
+    monkeypatch.setattr(compiled_module.torch, "compile", broken)
     sim = Simulation(tiny_config(train=TRAIN))
     plain, _ = one_phase(sim, max_group=4)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler here.*runs uncompiled") as caught:
@@ -244,12 +244,6 @@ def test_a_failing_compiled_step_runs_uncompiled_after_one_warning(tiny_config, 
     assert len(caught) == 1 and not failures  # once, not once per step
     for cid, reply in plain.items():
         assert torch.equal(compiled[cid].tensors["params"], reply.tensors["params"])
-
-
-def test_compile_with_the_sequential_executor_says_it_runs_uncompiled(tiny_config, capsys):
-    sim = Simulation(tiny_config(run={"executor": "sequential", "compile": "default"}))
-    assert type(sim.executor) is LocalExecutor
-    assert "run.compile = 'default' compiles the batched executor's step" in capsys.readouterr().err
 
 
 def test_per_client_messages_and_unreadable_state(tiny_config):

@@ -188,3 +188,26 @@ def test_a_batched_phase_waits_for_the_gpu_as_often_with_more_clients(tiny_confi
     syncs(6)  # torch's once-per-process set-up
     few, many = syncs(3), syncs(6)
     assert few.total() == many.total(), f"3 clients: {dict(few)}; 6 clients: {dict(many)}"
+
+
+def test_the_compiled_sequential_step_on_a_gpu_agrees_with_the_uncompiled_one(tiny_config, monkeypatch):
+    """run.compile = "reduce-overhead" in the sequential loop: the gradient of the algorithm's loss compiled by
+    inductor and replayed as CUDA graphs gives the uncompiled replies to the executors' GPU tolerance, for the
+    plain loss and for MOON's own loss with its extra outputs."""
+    from fedhet.algorithms.loop import CompiledGradient
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    for algorithm in ("fedavg", "moon"):
+        ex, msgs = one_phase(tiny_config, "sequential", GPU_MODELS["mlp"], algorithm)
+        plain, _ = ex.run_phase(1, 0, "train", msgs)
+        step = CompiledGradient(ex.runner.algo, ex.runner.model, "reduce-overhead", torch.device("cuda"))
+        ex.runner.compiled = step
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # a fallback to the uncompiled step fails the test
+            compiled, failures = ex.run_phase(1, 0, "train", msgs)
+        assert step.step.on and step.step.graphs and not failures
+        rel = GPU_REL["mlp"]
+        for cid, reply in plain.items():
+            t = reply.tensors["params"]
+            torch.testing.assert_close(compiled[cid].tensors["params"], t, rtol=rel, atol=rel * float(t.abs().max()))
+            assert compiled[cid].metrics["train_loss"] == pytest.approx(reply.metrics["train_loss"], rel=rel)

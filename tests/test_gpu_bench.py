@@ -19,9 +19,9 @@ def test_small_mode_runs_every_case_and_writes_its_table(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    monkeypatch.setattr("fedhet.engine.batched.COMPILE_BACKEND", "aot_eager")  # the CPU's code generation: minutes
+    monkeypatch.setattr("fedhet.toolkit.compiled.COMPILE_BACKEND", "aot_eager")  # the CPU's code generation: minutes
     argv = ["--small", "--device", "cpu", "--rounds", "2", "--profile", "--before", "--compile", "default"]
-    report = bench.main([*argv, "--compile-only", "(a)", "--out", str(tmp_path)])
+    report = bench.main([*argv, "--compile-only", "(a)", "--compile-sequential", "(b)", "--out", str(tmp_path)])
     results = report["results"]
     assert not [r for r in results if "error" in r]
     runners = {(r["case"][:3], r["runner"]) for r in results}
@@ -41,8 +41,10 @@ def test_small_mode_runs_every_case_and_writes_its_table(tmp_path, monkeypatch):
     assert runner_rows == len(results) and "median of rounds 2-2" in table
     assert "final_test_acc" in results[0] and 0 <= results[0]["final_test_acc"] <= 1
 
-    # every case's runners as they are and as they were before the launch work; case (a)'s compiled too
-    assert ("(a)", "batched compiled") in runners and not [r for r in runners if "compiled" in r[1] and r[0] != "(a)"]
+    # every case's runners as they are and as they were before the launch work; case (a)'s batched runner compiled
+    # too, and case (b)'s sequential one
+    compiled = {r for r in runners if "compiled" in r[1]}
+    assert compiled == {("(a)", "batched compiled"), ("(b)", "sequential compiled")}
     assert {("(b)", "sequential before"), ("(b)", "batched before"), ("(c)", "batched bf16 before")} <= runners
     # speed-ups from the unrounded times: each batched runner against the sequential one of the same build
     by = {(r["case"], r["runner"]): r["s_per_round"] for r in results}

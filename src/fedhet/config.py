@@ -61,11 +61,12 @@ class RunSection(_Strict):
     # clients trained together by the batched executor; 0 = auto: on a GPU as many as the free device memory holds
     # (engine/batched.py, group_size), elsewhere 32. Changes only float rounding, like run.executor
     max_group: int = Field(0, ge=0)
-    # torch.compile of the batched executor's step (the group's vmapped forward, loss and backward) in this mode
-    # (engine/batched.py); "reduce-overhead" replays it as CUDA graphs on a GPU, where small steps are bound by
-    # kernel launches. The first steps pay the compile time (twice at most: a fixed and then a dynamic count of
-    # active clients); changes only float rounding (the compiler fuses kernels), like run.executor. The sequential
-    # executor runs uncompiled
+    # torch.compile of the local step in this mode: the batched executor's (the group's vmapped forward, loss and
+    # backward) and the sequential loop's (forward and backward of the algorithm's loss; not where the algorithm has
+    # its own local_loss hook, nor under local DP-SGD, which the run then says). "reduce-overhead" replays it as
+    # CUDA graphs on a GPU, where small steps are bound by kernel launches. The first steps pay the compile time
+    # (twice or three times: a fixed and then a dynamic batch or client count, a batch of one sample); changes only
+    # float rounding (the compiler fuses kernels), like run.executor
     compile: Literal["off", "default", "reduce-overhead", "max-autotune"] = "off"
     # FedACD's Tables 3 and 9 for any algorithm: each participant's local model (as local training left it) is
     # evaluated on the test set (local_risk: its error averaged over every client's label distribution, Eq. 3) and

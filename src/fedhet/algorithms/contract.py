@@ -73,6 +73,9 @@ class ClientContext:
     batch: torch.Tensor | None = None
     # a malicious client's data attack on each mini-batch, (x, y) -> (x, y), applied by the loop after augmentation
     poison: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # run.compile: the loop's compiled step (algorithms.loop.CompiledGradient), where the algorithm's local_loss is the
+    # contract's own; None: local_loss and backward() as written
+    compiled: Callable[..., Any] | None = None
 
     @property
     def global_params(self) -> torch.Tensor:

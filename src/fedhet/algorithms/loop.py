@@ -6,10 +6,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.func import functional_call
+from torch.func import functional_call, grad_and_value
 
 from fedhet.algorithms.contract import step_budget
+from fedhet.algorithms.functional import Apply, record_aux, split_loss
 from fedhet.algorithms.privacy import dp_sgd_gradient
+from fedhet.toolkit.compiled import Compiled
 from fedhet.toolkit.flat import named_views, parameter_layout
 from fedhet.toolkit.local import (
     batch_indices,
@@ -55,7 +57,12 @@ def train_locally(algo: Any, ctx: ClientContext) -> Reply:
         if ctx.poison is not None:  # a malicious client's data attack ([attack], engine/attack.py)
             x, y = ctx.poison(x, y)
         ctx.flat.zero_grad()
-        if private is None:
+        if private is None and ctx.compiled is not None:
+            with precision_context(t.precision, device):
+                grad, loss, aux = ctx.compiled(ctx.flat.params.detach(), x, y, algo.loss_inputs(ctx))
+            record_aux(ctx.scratch, aux)
+            ctx.flat.grad.copy_(grad)
+        elif private is None:
             with precision_context(t.precision, device):
                 loss = algo.local_loss(ctx, x, y)
             loss.backward()
@@ -74,6 +81,39 @@ def train_locally(algo: Any, ctx: ClientContext) -> Reply:
     if kept:
         opt.save(ctx.state, optimizer_state_prefix(ctx.phase))
     return algo.after_local(ctx)
+
+
+class CompiledGradient:
+    """``run.compile`` in this loop: ``(flat params, x, y, inputs) -> (gradient, loss, extra outputs)`` of the
+    algorithm's ``loss`` at the model's flat parameters (``functional_call`` of the model, ``grad_and_value``),
+    compiled as one graph of forward and backward (``Compiled``). The loop uses it in place of ``local_loss`` and
+    ``backward()`` for an algorithm whose ``local_loss`` is the contract's own (``ctx.compiled``, set by the
+    client runner): the same loss, so the same gradient up to the compiler's float rounding. Buffers (batch-norm
+    statistics) are the model's own, updated in place as in the uncompiled step."""
+
+    def __init__(self, algo: Any, model: torch.nn.Module, mode: str, device: torch.device) -> None:
+        self.algo = algo
+        self.apply = Apply(model)
+        self.layout = parameter_layout(model, prefix="model.")
+        self.step = Compiled(self.gradient, mode, device, "the local step")
+
+    def gradient(
+        self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, inputs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        def value(p: torch.Tensor, buffers: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            tensors = {**named_views(p, self.layout), **buffers}
+            return split_loss(functional_call(self.apply, tensors, (self.algo.loss, x, y, inputs)))
+
+        # the buffers are inputs of the differentiated function: torch.func refuses in-place updates of tensors it
+        # did not receive (batch-norm statistics), and passed in, they are updated in place in the model itself
+        buffers = dict(self.apply.named_buffers())
+        grad, (loss, aux) = grad_and_value(value, has_aux=True)(params, buffers)
+        return grad, loss, aux
+
+    def __call__(
+        self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, inputs: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        return self.step(params, x, y, inputs)
 
 
 class _Loss(torch.nn.Module):

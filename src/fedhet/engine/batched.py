@@ -82,6 +82,7 @@ from fedhet.engine.client import (
 )
 from fedhet.engine.memory import available_memory
 from fedhet.engine.state import MemoryStateStore
+from fedhet.toolkit.compiled import Compiled
 from fedhet.toolkit.flat import FlatModel, FlatVectors, named_views, parameter_layout
 from fedhet.toolkit.local import (
     AdamSettings,
@@ -178,45 +179,6 @@ class RowFlat(FlatVectors):
         return self._flat.slices()
 
 
-COMPILE_BACKEND = "inductor"  # torch.compile's backend for run.compile (the tests: "aot_eager", no code generated)
-
-
-class _Compiled:
-    """``fn`` compiled by ``torch.compile`` in ``mode`` (``run.compile``; "off": ``fn`` itself, ``on`` False). A
-    group's active rows shrink as its clients finish: torch compiles the first count as a fixed shape and, at the
-    second, once more with the count dynamic (its automatic dynamic shapes), so a phase compiles at most twice; CUDA
-    graphs ("reduce-overhead" on CUDA) record one replay per count, and the outputs are copied out before the next
-    replay overwrites them. Where compiling or a compiled call fails, ``fn`` runs instead for the rest of the run,
-    after one warning."""
-
-    def __init__(self, fn: Any, mode: str, device: torch.device) -> None:
-        self.fn, self.mode = fn, mode
-        self.on = mode != "off"
-        self.graphs = mode == "reduce-overhead" and device.type == "cuda"
-        options = {"mode": mode} if COMPILE_BACKEND == "inductor" and mode != "default" else {}
-        self.compiled = torch.compile(fn, backend=COMPILE_BACKEND, **options) if self.on else fn
-
-    def __call__(self, *args: Any) -> Any:
-        if not self.on:
-            return self.fn(*args)
-        try:
-            if self.graphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            out = self.compiled(*args)
-        except Exception as err:
-            warnings.warn(
-                f"run.compile = {self.mode!r}: the compiled batched step failed ({type(err).__name__}: "
-                f"{str(err)[:300]}); it runs uncompiled from here",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            self.on = False
-            return self.fn(*args)
-        if self.graphs:
-            return torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
-        return out
-
-
 class _SharedFailure(Exception):
     """The batched forward/backward itself failed (not one client's hook): the group runs sequentially instead."""
 
@@ -263,8 +225,8 @@ class BatchedExecutor:
         self._grad_fn = vmap(grad_and_value(self._client_loss))
         self._own_fn = vmap(grad_and_value(self._own_client_loss, has_aux=True), in_dims=(0, 0, 0, 0, None))
         device = runner.flat.params.device
-        self._compiled_step = _Compiled(self._flat_gradients, compile_mode, device)
-        self._compiled_own = _Compiled(self._own_flat_gradients, compile_mode, device)
+        self._compiled_step = Compiled(self._flat_gradients, compile_mode, device, "the batched step")
+        self._compiled_own = Compiled(self._own_flat_gradients, compile_mode, device, "the batched step")
         self._apply = Apply(runner.model)  # the algorithm's own loss as a module over the shared model
         self._own_loss = _overrides(runner.algo, "loss")
         self._stacked: dict[tuple[int, ...], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}

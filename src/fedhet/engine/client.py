@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from fedhet.algorithms.base import Algorithm, ClientContext, Message, Reply
+from fedhet.algorithms.loop import CompiledGradient
 from fedhet.config import TrainSection
 from fedhet.data.augment import Augment
 from fedhet.data.types import ClientData
@@ -38,6 +39,17 @@ LOCAL_PARAMS, LOCAL_BUFFERS = "local_params", "local_buffers"
 PersonalScores = dict[str, tuple[int, int]]
 
 
+def compiles_local_step(algo: Algorithm) -> str | None:
+    """Why ``run.compile`` leaves ``algo``'s sequential local steps uncompiled, or None where it compiles them: the
+    loop compiles the gradient of the contract's ``loss``, which a ``local_loss`` hook of the algorithm's own
+    replaces, and local DP-SGD computes per-sample gradients of its own."""
+    if type(algo).local_loss is not Algorithm.local_loss:
+        return f"{type(algo).__name__} has its own local_loss hook, which reads the client's context"
+    if getattr(algo.setup, "privacy", None) is not None and algo.setup.privacy.mode == "local":
+        return "local DP-SGD computes per-sample gradients"
+    return None
+
+
 class ClientRunner:
     def __init__(
         self,
@@ -50,6 +62,7 @@ class ClientRunner:
         eval_batch_size: int = 1024,
         attack: Attack | None = None,
         lora_ranks: list[int] | None = None,
+        compile_mode: str = "off",
     ) -> None:
         self.algo = algo
         self.flat = flat
@@ -63,6 +76,10 @@ class ClientRunner:
         self.attack = attack  # [attack]: what this run's malicious clients do to their batches and replies
         # model.lora_ranks: client c trains (and is scored with) the first lora_ranks[c] adapter slots (one per client)
         self.lora_ranks = lora_ranks
+        # run.compile: the sequential loop's step compiled (compiled lazily, at the first step that uses it)
+        self.compiled = None
+        if compile_mode != "off" and compiles_local_step(algo) is None:
+            self.compiled = CompiledGradient(algo, self.model, compile_mode, flat.params.device)
         self.rank_mask = None
         if lora_ranks is not None:
             from fedhet.models.adapt import RankMask
@@ -87,6 +104,7 @@ class ClientRunner:
             generator=torch.Generator().manual_seed(seed),
             augment=self.augment,
             poison=None if self.attack is None else self.attack.poison(cid),
+            compiled=self.compiled,
         )
 
     def run(

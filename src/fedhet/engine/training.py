@@ -505,6 +505,7 @@ def build_training(cfg: Config, fed: FederatedDataset) -> Training:
         cfg.run.eval_batch_size,
         attack=None if cfg.attack.kind == "none" else Attack(cfg.attack, fed, cfg.run.seed),
         lora_ranks=ranks,
+        compile_mode=cfg.run.compile,
     )
     if weights is not None:
         weights.notes = said
