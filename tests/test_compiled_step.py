@@ -39,13 +39,16 @@ def assert_same_replies(got: dict, expected: dict) -> None:
         ({"name": "mlp", "hidden": [32]}, {"name": "moon", "projection_dim": 16}),  # its own loss, extra outputs
         ({"name": "mlp", "hidden": [32]}, {"name": "fedrod"}),  # two heads' losses summed, the aux values read later
         (BATCHNORM_MODEL, {"name": "fedavg"}),  # batch-norm statistics updated in place inside the compiled step
+        # frozen base weights, and each client training the first lora_ranks[c] adapter slots
+        ({"name": "mlp", "hidden": [32], "lora_rank": 2, "lora_ranks": [1, 2, 1, 2, 2, 1]}, {"name": "fedavg"}),
     ],
-    ids=["convnet-scaffold", "mlp-moon", "mlp-fedrod", "bn-fedavg"],
+    ids=["convnet-scaffold", "mlp-moon", "mlp-fedrod", "bn-fedavg", "lora-ranks"],
 )
 def test_the_compiled_local_step_gives_the_uncompiled_replies(tiny_config, model, algorithm, monkeypatch):
     """Every client's reply (parameters, buffers, control variates, train loss and the loss's extra outputs) equals
     the uncompiled loop's bit for bit, and a phase of clients with short last batches of several sizes compiles at
-    most three graphs (a fixed batch, then a dynamic one, and a batch of one sample, which torch specialises)."""
+    most three graphs (a fixed batch, then a dynamic one, and a batch of one sample, which torch specialises), as
+    many per LoRA rank where clients train different ranks."""
     monkeypatch.setattr(compiled_module, "COMPILE_BACKEND", "aot_eager")
     cfg = {"model": model, "train": TRAIN, "algorithm": algorithm}
     plain_sim = Simulation(tiny_config(**cfg, run={"executor": "sequential"}))
@@ -58,7 +61,8 @@ def test_the_compiled_local_step_gives_the_uncompiled_replies(tiny_config, model
     assert step is not None
     compiled, failures = one_phase(sim)
     assert not failures and step.step.on  # no fallback
-    assert 1 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3
+    ranks = len(set(model.get("lora_ranks", [0])))  # a client's LoRA rank is a constant of the graph
+    assert 1 <= torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3 * ranks
     assert_same_replies(compiled, plain)
 
 
