@@ -170,11 +170,16 @@ def test_the_compiled_step_on_a_gpu_agrees_with_the_uncompiled_one(tiny_config, 
         warnings.simplefilter("error", RuntimeWarning)  # a fallback to the uncompiled step fails the test
         compiled, failures = compiled_ex.run_phase(1, 0, "train", msgs)
     assert compiled_ex._compiled_step.on and compiled_ex._compiled_step.graphs and not failures
-    rel = GPU_REL["mlp"]
-    for cid, reply in plain.items():
+    assert_close_replies(compiled, plain, GPU_REL["mlp"])
+
+
+def assert_close_replies(got: dict, expected: dict, rel: float) -> None:
+    """Every client's parameters and train loss within ``rel`` (of the largest parameter, for parameters)."""
+    assert got.keys() == expected.keys()
+    for cid, reply in expected.items():
         t = reply.tensors["params"]
-        torch.testing.assert_close(compiled[cid].tensors["params"], t, rtol=rel, atol=rel * float(t.abs().max()))
-        assert compiled[cid].metrics["train_loss"] == pytest.approx(reply.metrics["train_loss"], rel=rel)
+        torch.testing.assert_close(got[cid].tensors["params"], t, rtol=rel, atol=rel * float(t.abs().max()))
+        assert got[cid].metrics["train_loss"] == pytest.approx(reply.metrics["train_loss"], rel=rel)
 
 
 def test_a_batched_phase_waits_for_the_gpu_as_often_with_more_clients(tiny_config):
@@ -206,8 +211,4 @@ def test_the_compiled_sequential_step_on_a_gpu_agrees_with_the_uncompiled_one(ti
             warnings.simplefilter("error", RuntimeWarning)  # a fallback to the uncompiled step fails the test
             compiled, failures = ex.run_phase(1, 0, "train", msgs)
         assert step.step.on and step.step.graphs and not failures
-        rel = GPU_REL["mlp"]
-        for cid, reply in plain.items():
-            t = reply.tensors["params"]
-            torch.testing.assert_close(compiled[cid].tensors["params"], t, rtol=rel, atol=rel * float(t.abs().max()))
-            assert compiled[cid].metrics["train_loss"] == pytest.approx(reply.metrics["train_loss"], rel=rel)
+        assert_close_replies(compiled, plain, GPU_REL["mlp"])
