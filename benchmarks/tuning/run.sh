@@ -7,7 +7,9 @@
 # declared ranges plus train.lr; the final runs are fmnist.toml's 30 rounds with seeds 0-2. 10 % of each client's
 # training share is held out as validation data (partition.validation_fraction) in the tuning and the final runs.
 # Rerunning skips finished trials and cells and continues killed ones, so it is safe to kill and restart.
-# Usage: [JOBS=N] [OUT=dir] [TRIALS=16] [TUNE_ROUNDS=15] [VARIANTS=a,b] run.sh [KINDS] [-- MORE_COMPARE_OPTIONS]
+# LR=range replaces train.lr's declared range (log:1e-3:0.3), e.g. LR=log:1e-4:0.3 with its own OUT: a study's
+# methods must share one space, so a kind is rerun whole with it.
+# Usage: [JOBS=N] [OUT=dir] [TRIALS=16] [TUNE_ROUNDS=15] [VARIANTS=a,b] [LR=range] run.sh [KINDS] [-- MORE_OPTIONS]
 # Results: OUT/<kind>/ (OUT default runs/tuning-fmnist): tuning/<variant>/study.db and trials, <variant>-s<seed>,
 # comparison.md with the tuning table.
 set -euo pipefail
@@ -24,7 +26,7 @@ for kind in $kinds; do
   # shellcheck disable=SC2046  # the settings are words
   "$fedhet" compare -c benchmarks/noniid/fmnist.toml $(settings "$kind") -s partition.validation_fraction=0.1 \
     -v "${VARIANTS:-fedavg,fedprox,scaffold,fednova,feddyn,moon,fedrod}" \
-    --tune "${TRIALS:-16}" --tune-rounds "${TUNE_ROUNDS:-15}" --tune-seeds 100 -t train.lr --seeds 0,1,2 \
+    --tune "${TRIALS:-16}" --tune-rounds "${TUNE_ROUNDS:-15}" --tune-seeds 100 -t "train.lr${LR:+=$LR}" --seeds 0,1,2 \
     -o "$out/$kind" --jobs "${JOBS:-auto}" --threads 1 "$@" || failed=1  # a failed kind stops no other
 done
 exit $failed
