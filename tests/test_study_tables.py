@@ -95,3 +95,32 @@ def test_tuning_table_marks_a_chosen_value_at_the_edge_of_its_range():
     }
     assert tables.at_edge(summary) == {"train.lr": "lower"}
     assert tables.chosen(summary) == ("mu=0.0145, lr=0.00103⇤", "10+6 of 16, 190/240 rounds")
+
+
+def test_edge_probe_reruns_the_chosen_values_as_a_tuning_trial_below_the_range(tmp_path, tiny_config, monkeypatch):
+    """benchmarks/tuning/edge_probe.py: the seed-0 final run's config at the tuning seed and rounds, at each probed
+    learning rate, its last val_acc beside the tune's best; a second call reads the finished runs, trains nothing."""
+    probe = load(BENCHMARKS / "tuning" / "edge_probe.py", "edge_probe")
+    monkeypatch.setattr(probe, "ARCHIVE", tmp_path / "archive")
+    monkeypatch.setattr(probe, "TUNE_ROUNDS", 2)
+    cell = tmp_path / "study" / "two_classes"
+    final = cell / "fedavg-s0"
+    final.mkdir(parents=True)
+    cfg = tiny_config(run={"rounds": 30, "eval_every": 1}, partition={"validation_fraction": 0.2})
+    (final / "config.json").write_text(json.dumps(cfg.to_dict()))
+    tune = cell / "tuning" / "fedavg"
+    tune.mkdir(parents=True)
+    (tune / "tune.json").write_text(json.dumps({"best": {"params": {"train.lr": 0.001}, "value": 0.5}}))
+    argv = ["two_classes", "fedavg", "--lrs", "0.05,0.0001", "--study", str(tmp_path / "study")]
+    rows = probe.main([*argv, "--out", str(tmp_path / "probe")])["rows"]
+    assert [r["method"] for r in rows] == ["fedavg"] and rows[0]["best_val_acc"] == 0.5
+    runs = {lr: tmp_path / "probe" / f"fedavg-lr{lr}" for lr in ("0.05", "0.0001")}
+    for lr, run in runs.items():
+        saved = json.loads((run / "config.json").read_text())
+        assert (saved["run"]["seed"], saved["run"]["rounds"], saved["train"]["lr"]) == (100, 2, float(lr))
+        assert rows[0]["probes"][lr] == json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["val_acc"]
+    assert rows[0]["probes"]["0.05"] > rows[0]["probes"]["0.0001"]  # digits: lr 1e-4 barely moves in 2 rounds
+    assert json.loads((tmp_path / "probe" / "probe.json").read_text()) == rows
+    stamps = {lr: (run / "metrics.jsonl").stat().st_mtime_ns for lr, run in runs.items()}
+    assert probe.main([*argv, "--out", str(tmp_path / "probe")])["rows"] == rows
+    assert stamps == {lr: (run / "metrics.jsonl").stat().st_mtime_ns for lr, run in runs.items()}
