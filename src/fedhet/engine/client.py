@@ -39,11 +39,11 @@ LOCAL_PARAMS, LOCAL_BUFFERS = "local_params", "local_buffers"
 PersonalScores = dict[str, tuple[int, int]]
 
 
-def compiles_local_step(algo: Algorithm) -> str | None:
+def why_uncompiled(algo: Algorithm) -> str | None:
     """Why ``run.compile`` leaves ``algo``'s sequential local steps uncompiled, or None where it compiles them: the
     loop compiles the gradient of the contract's ``loss``, which a ``local_loss`` hook of the algorithm's own
     replaces, and local DP-SGD computes per-sample gradients of its own."""
-    if type(algo).local_loss is not Algorithm.local_loss:
+    if type(algo).local_loss is not Algorithm.local_loss or "local_loss" in vars(algo):
         return f"{type(algo).__name__} has its own local_loss hook, which reads the client's context"
     if getattr(algo.setup, "privacy", None) is not None and algo.setup.privacy.mode == "local":
         return "local DP-SGD computes per-sample gradients"
@@ -78,7 +78,7 @@ class ClientRunner:
         self.lora_ranks = lora_ranks
         # run.compile: the sequential loop's step compiled (compiled lazily, at the first step that uses it)
         self.compiled = None
-        if compile_mode != "off" and compiles_local_step(algo) is None:
+        if compile_mode != "off" and why_uncompiled(algo) is None:
             self.compiled = CompiledGradient(algo, self.model, compile_mode, flat.params.device)
         self.rank_mask = None
         if lora_ranks is not None:

@@ -9,7 +9,7 @@ from typing import Any
 from fedhet.config import Config
 from fedhet.data.federated import FederatedDataset
 from fedhet.engine.batched import BatchedExecutor, choose_executor
-from fedhet.engine.client import ClientRunner, Executor, LocalExecutor, compiles_local_step
+from fedhet.engine.client import ClientRunner, Executor, LocalExecutor, why_uncompiled
 from fedhet.engine.workers import ProcessExecutor, shared_memory_short
 
 
@@ -25,7 +25,7 @@ def build_executor(
         warn(f"{why}; its clients train one after another")
     if kind == "batched" and (cfg.run.executor == "batched" or workers == 1):
         return BatchedExecutor(runner, fed.clients, store, cfg.run.max_group, compile_mode=cfg.run.compile), 1
-    uncompiled = compiles_local_step(runner.algo)
+    uncompiled = why_uncompiled(runner.algo)
     if cfg.run.compile != "off" and uncompiled:
         warn(f"run.compile = {cfg.run.compile!r}: {uncompiled}, so its local steps run uncompiled")
     short = None if workers == 1 else shared_memory_short(fed.clients)
