@@ -124,3 +124,6 @@ def test_edge_probe_reruns_the_chosen_values_as_a_tuning_trial_below_the_range(t
     stamps = {lr: (run / "metrics.jsonl").stat().st_mtime_ns for lr, run in runs.items()}
     assert probe.main([*argv, "--out", str(tmp_path / "probe")])["rows"] == rows
     assert stamps == {lr: (run / "metrics.jsonl").stat().st_mtime_ns for lr, run in runs.items()}
+    # a later call with other rates joins its probes to the method's row in probe.json
+    probe.main([*argv[:3], "0.05", *argv[4:], "--out", str(tmp_path / "probe")])
+    assert json.loads((tmp_path / "probe" / "probe.json").read_text()) == rows

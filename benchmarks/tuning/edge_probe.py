@@ -6,7 +6,7 @@ Usage: python benchmarks/tuning/edge_probe.py KIND METHODS [--lrs 5e-4,2.5e-4] [
   KIND: dir0.1 | two_classes | rotated; METHODS: comma-separated (fedprox,moon,...)
   --study: run.sh's OUT (default runs/tuning-fmnist; benchmarks/tuning/results, the archive, where a cell is not there)
   --out: where the probe runs go (default runs/edge-probe/KIND); a finished probe run is read, not rerun.
-Prints a Markdown table and writes OUT/probe.json."""
+Prints a Markdown table and writes OUT/probe.json (joined with what earlier calls wrote there)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,15 @@ def probe(raw: dict, lr: float, out: Path, name: str) -> float:
     return read_metrics(sim.run_dir / "metrics.jsonl")[-1]["val_acc"]
 
 
+def merged(path: Path, rows: list[dict]) -> list[dict]:
+    """The rows of an earlier call's ``probe.json`` with this call's: a method's probes joined, this call's values
+    winning, methods in first-probed order."""
+    out = {r["method"]: r for r in (json.loads(path.read_text()) if path.exists() else [])}
+    for r in rows:
+        out[r["method"]] = {**r, "probes": {**out.get(r["method"], {}).get("probes", {}), **r["probes"]}}
+    return list(out.values())
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kind")
@@ -70,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows[-1]["probes"] = {f"{lr:g}": v for lr, v in values.items()}
         print(json.dumps(rows[-1]), flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "probe.json").write_text(json.dumps(rows, indent=1))
+    (out / "probe.json").write_text(json.dumps(merged(out / "probe.json", rows), indent=1))
     head = " | ".join(f"lr {lr:g}" for lr in lrs)
     print(f"\n| method | chosen lr | its best val_acc | {head} |\n|---|---|---|{'---|' * len(lrs)}")
     for r in rows:
