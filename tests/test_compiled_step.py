@@ -15,7 +15,7 @@ from fedhet.engine.simulation import Simulation
 from fedhet.toolkit import compiled as compiled_module
 
 BATCHNORM_MODEL = {"name": "cnn_bn", "channels": [4, 4, 8], "hidden": [16]}  # conftest's
-TRAIN = {"batch_size": 7, "lr": 0.05, "momentum": 0.9, "local_epochs": 2}
+TRAIN = {"batch_size": 7, "lr": 0.05, "momentum": 0.9}
 
 
 def one_phase(sim: Simulation) -> tuple[dict, list]:
