@@ -52,6 +52,19 @@ def test_tuning_table_sets_each_tuned_cell_beside_its_default_with_ranks_and_bud
     assert rows["scaffold"].split(" | ")[5] == "+14.7 [+10.0, +20.0]▲"  # 70 - (50, 56, 60), paired by seed
     assert rows["moon"].split(" | ")[2] == "–"
     assert "n/a¹" in rows["fedbn"]
+    assert not [r for r in rows if "²" in r]  # no retuned folder named: no retuned rows
+
+    # a method retuned over a wider lr range (run.sh LR=..., its own OUT): a row after the study's, not ranked
+    monkeypatch.setattr(tables, "RETUNED_ARCHIVE", tmp_path / "retuned-archive")
+    wide = tmp_path / "wide"
+    for seed, acc in enumerate([0.58, 0.60, 0.62]):
+        write_run(wide / "two_classes" / f"scaffold-s{seed}", [(30, acc)])
+    lines = tables.kind_table(out, "two_classes", wide)
+    assert lines[: len(rows) + 2] == tables.kind_table(out, "two_classes")
+    extra = lines[len(rows) + 2 :]
+    assert len(extra) == 1 and extra[0].startswith("| scaffold, lr on log:1e-4:0.3² | 40.0 ± 0.0 <sub>s0,1,2</sub> |")
+    cells = extra[0].split(" | ")
+    assert cells[2:6] == ["60.0 ± 2.0 <sub>s0,1,2</sub>", "+20.0 ± 2.0 <sub>s0,1,2</sub>", "–", "+4.7 [+2.0, +8.0]▲"]
 
 
 def test_pretrained_table_gives_the_gap_paired_by_seed_and_fedavgs_advantage(tmp_path, monkeypatch):

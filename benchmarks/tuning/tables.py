@@ -1,6 +1,7 @@
 """The tables of docs/tuning.md's study from run.sh's folders, beside docs/non-iid.md's default-settings cells.
 
-Usage: python benchmarks/tuning/tables.py [OUT] [--claims DIR]   (defaults runs/tuning-fmnist, runs/tuning-claims)
+Usage: python benchmarks/tuning/tables.py [OUT] [--claims DIR] [--retuned DIR]
+  (defaults runs/tuning-fmnist, runs/tuning-claims, runs/tuning-fmnist-lr-wide)
 
 For each kind, one row per method: its default-settings cell (benchmarks/noniid/results: fmnist.toml's settings,
 train.lr 0.01, no validation split), its tuned cell (OUT/<kind>/<method>-s<seed>, else the archived copy in
@@ -97,7 +98,29 @@ def against_baseline(tuned: dict[int, float], base: dict[int, float]) -> str:
     return f"{diff.mean:+.1f} [{diff.ci_low:+.1f}, {diff.ci_high:+.1f}]{diff.marker}"
 
 
-def kind_table(out: Path, kind: str) -> list[str]:
+# a method retuned at the same budget with train.lr's range widened (run.sh with LR and its own OUT), where the edge
+# probe (edge_probe.py) found its optimum below the study's range: its row follows the study's, outside the ranks
+RETUNED_LR = "log:1e-4:0.3"
+RETUNED_ARCHIVE = HERE / "results-lr-wide"
+
+
+def retuned_rows(retuned: Path, kind: str, default: dict, base: dict[int, float]) -> list[str]:
+    lines = []
+    for m in METHODS:
+        runs = {**_method(RETUNED_ARCHIVE / kind, m), **_method(retuned / kind, m)}
+        summary = tune_summary(retuned, kind, m, RETUNED_ARCHIVE)
+        if not runs and summary is None:
+            continue
+        values, budget = chosen(summary)
+        shared = sorted(set(default[m]) & set(runs))
+        diff = spread({s: runs[s] - default[m][s] for s in shared}, signed=True)
+        versus = against_baseline(runs, base) if runs else "–"
+        cells = [spread(default[m]), spread(runs), diff, "–", versus, values, budget]
+        lines.append(f"| {m}, lr on {RETUNED_LR}² | " + " | ".join(cells) + " |")
+    return lines
+
+
+def kind_table(out: Path, kind: str, retuned: Path | None = None) -> list[str]:
     head = ["method", "default", "tuned", "tuned − default", "rank default → tuned", f"tuned − tuned {BASELINE}"]
     head += ["chosen", "budget"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---|" * (len(head) - 1)]
@@ -117,7 +140,7 @@ def kind_table(out: Path, kind: str) -> list[str]:
         versus = against_baseline(tuned[m], tuned[BASELINE]) if m != BASELINE and tuned[m] else "–"
         cells = [spread(default[m]), spread(tuned[m]), diff, rank, versus, values, budget]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    return lines
+    return lines if retuned is None else lines + retuned_rows(retuned, kind, default, tuned[BASELINE])
 
 
 # claims.sh: each seed paper's method and its strongest baseline on the paper's claims-row protocol
@@ -180,11 +203,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", nargs="?", default="runs/tuning-fmnist", type=Path)
     parser.add_argument("--claims", type=Path, default=Path("runs/tuning-claims"), help="claims.sh's output folder")
+    parser.add_argument(
+        "--retuned", type=Path, default=Path("runs/tuning-fmnist-lr-wide"), help=f"run.sh's OUT with LR={RETUNED_LR}"
+    )
     args = parser.parse_args()
     for kind, title in KINDS.items():
         print(f"\n### {title}: global test accuracy (%) after {ROUNDS} rounds\n")
-        print("\n".join(kind_table(args.out, kind)))
+        print("\n".join(kind_table(args.out, kind, args.retuned)))
     print("\n¹ FedBN has no global model (each client keeps its BatchNorm layers): left out of the tuned study.")
+    print(
+        f"² retuned at the same budget with train.lr on {RETUNED_LR} (edge_probe.py found its optimum below the"
+        " study's range); outside the ranks, which compare methods tuned over one space."
+    )
     print("⇤ / ⇥: chosen at the lower / upper edge of its range (the outer 5 %); the best may lie outside it.")
     print("\n### The claims, both methods tuned: final test accuracy (%)\n")
     print("\n".join(claims_table(args.claims)))
