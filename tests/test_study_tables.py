@@ -140,3 +140,23 @@ def test_edge_probe_reruns_the_chosen_values_as_a_tuning_trial_below_the_range(t
     # a later call with other rates joins its probes to the method's row in probe.json
     probe.main([*argv[:3], "0.05", *argv[4:], "--out", str(tmp_path / "probe")])
     assert json.loads((tmp_path / "probe" / "probe.json").read_text()) == rows
+
+
+def test_rank_table_averages_each_methods_rank_over_the_kinds_where_every_method_finished(tmp_path, monkeypatch):
+    tables = load(BENCHMARKS / "tuning" / "tables.py", "tuning_tables_ranks")
+    monkeypatch.setattr(tables, "DEFAULTS", tmp_path / "defaults")
+    monkeypatch.setattr(tables, "ARCHIVE", tmp_path / "archive")
+    out = tmp_path / "out"
+    methods = [m for m in tables.METHODS if m not in tables.NO_GLOBAL_MODEL]
+    assert tables.rank_table(out) == ["(no kind has every method's default and tuned cells yet)"]
+    for kind, flip in (("dir0.1", False), ("two_classes", True)):
+        for i, m in enumerate(methods):  # default: the list's order; tuned: reversed under two classes
+            write_run(tmp_path / "defaults" / kind / f"{m}-s0", [(30, 0.9 - 0.1 * i)])
+            write_run(out / kind / f"{m}-s0", [(30, 0.1 + 0.1 * i if flip else 0.9 - 0.1 * i)])
+    write_run(tmp_path / "defaults" / "rotated" / "fedavg-s0", [(30, 0.5)])  # rotated unfinished: left out
+    lines = tables.rank_table(out)
+    assert lines[0] == "| method | Dir(0.1) default → tuned | 2 classes default → tuned | average default → tuned |"
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in lines[2:]}
+    n = len(methods)
+    assert rows[methods[0]] == ["1 → 1", f"1 → {n}", f"1.0 → {(1 + n) / 2:.1f} |"]
+    assert rows[methods[-1]] == [f"{n} → {n}", f"{n} → 1", f"{n:.1f} → {(1 + n) / 2:.1f} |"]

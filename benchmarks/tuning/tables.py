@@ -143,6 +143,31 @@ def kind_table(out: Path, kind: str, retuned: Path | None = None) -> list[str]:
     return lines if retuned is None else lines + retuned_rows(retuned, kind, default, tuned[BASELINE])
 
 
+def rank_table(out: Path) -> list[str]:
+    """Each method's rank per kind and its average over the kinds, default settings against tuned, over the kinds
+    where every method of the study has both cells (fedhet.results.stats.average_ranks: 1 = best, ties averaged)."""
+    from fedhet.results.stats import average_ranks
+
+    methods = [m for m in METHODS if m not in NO_GLOBAL_MODEL]
+    tables: dict[str, dict[str, dict[str, float]]] = {"default": {}, "tuned": {}}
+    for kind in KINDS:
+        default = {m: _method(DEFAULTS / kind, m) for m in methods}
+        tuned = {m: {**_method(ARCHIVE / kind, m), **_method(out / kind, m)} for m in methods}
+        if all(default[m] and tuned[m] for m in methods):
+            tables["default"][kind] = {m: mean(default[m].values()) for m in methods}
+            tables["tuned"][kind] = {m: mean(tuned[m].values()) for m in methods}
+    kinds = list(tables["default"])
+    if not kinds:
+        return ["(no kind has every method's default and tuned cells yet)"]
+    (by_kind_d, avg_d), (by_kind_t, avg_t) = (average_ranks(tables[k]) for k in ("default", "tuned"))
+    head = ["method", *(f"{KINDS[k]} default → tuned" for k in kinds), "average default → tuned"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---|" * (len(head) - 1)]
+    for m in sorted(methods, key=lambda m: (avg_t[m], avg_d[m])):
+        cells = [f"{by_kind_d[k][m]:g} → {by_kind_t[k][m]:g}" for k in kinds] + [f"{avg_d[m]:.1f} → {avg_t[m]:.1f}"]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines
+
+
 # claims.sh: each seed paper's method and its strongest baseline on the paper's claims-row protocol
 CLAIMS = {  # paper: (its method, its strongest baselines untuned: the row compares with the best of them tuned)
     "fedbc": ("fedbc", ("qfedavg", "scaffold")),
@@ -216,6 +241,8 @@ def main() -> None:
         " study's range); outside the ranks, which compare methods tuned over one space."
     )
     print("⇤ / ⇥: chosen at the lower / upper edge of its range (the outer 5 %); the best may lie outside it.")
+    print("\n### Ranks by final test accuracy, per kind and averaged over the finished kinds\n")
+    print("\n".join(rank_table(args.out)))
     print("\n### The claims, both methods tuned: final test accuracy (%)\n")
     print("\n".join(claims_table(args.claims)))
 
