@@ -78,6 +78,7 @@ from fedhet.engine.client import (
     all_finite,
     failure_record,
     floating_tensors,
+    overrides,
     raise_nonfinite,
 )
 from fedhet.engine.memory import available_memory
@@ -103,10 +104,6 @@ if TYPE_CHECKING:
 _REPLACED = ("client_update", "local_loss")
 
 
-def _overrides(algo: Algorithm, hook: str) -> bool:
-    return getattr(type(algo), hook) is not getattr(Algorithm, hook) or hook in vars(algo)
-
-
 def algorithm_unbatchable(algo: Algorithm, phase: str | None = None) -> str | None:
     """Why ``algo``'s client update (in ``phase``; None: in some phase) cannot be batched, or None when it can.
 
@@ -119,7 +116,7 @@ def algorithm_unbatchable(algo: Algorithm, phase: str | None = None) -> str | No
         return f"algorithm {cls.name!r} " + (reason or "does not declare batchable")
     loop_phases = cls.__dict__.get("loop_phases", ())
     for hook in _REPLACED:
-        if not _overrides(algo, hook):
+        if not overrides(algo, hook):
             continue
         if hook == "client_update" and loop_phases and (phase is None or phase in loop_phases):
             continue
@@ -228,7 +225,7 @@ class BatchedExecutor:
         self._compiled_step = Compiled(self._flat_gradients, compile_mode, device, "the batched step")
         self._compiled_own = Compiled(self._own_flat_gradients, compile_mode, device, "the batched step")
         self._apply = Apply(runner.model)  # the algorithm's own loss as a module over the shared model
-        self._own_loss = _overrides(runner.algo, "loss")
+        self._own_loss = overrides(runner.algo, "loss")
         self._stacked: dict[tuple[int, ...], tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self.last_phase_batched = False  # for tests and benchmarks: did the last phase take the batched path
         self.phase_batched: dict[str, bool] = {}  # the same, per phase name
@@ -463,7 +460,7 @@ class BatchedExecutor:
         runner.model.train()
         self._stacked = {}  # this group's stacked loss inputs
         step_inputs = getattr(type(algo), "step_inputs", False)  # inherited: reading per step is never wrong
-        reads_model = _overrides(algo, "before_local") or (not step_inputs and _overrides(algo, "loss_inputs"))
+        reads_model = overrides(algo, "before_local") or (not step_inputs and overrides(algo, "loss_inputs"))
         # Contexts in message order (each reseeds the global RNG, which then ends as the sequential executor's does).
         contexts: dict[int, ClientContext] = {}
         for cid, msg in msgs.items():
@@ -514,7 +511,7 @@ class BatchedExecutor:
         opt = _RowOptimizer(t, params, grads, members, kept)
 
         step_losses: list[torch.Tensor] = []  # (m,) per step, read once at the end (no sync per step on a GPU)
-        has_after_backward, has_after_step = _overrides(algo, "after_backward"), _overrides(algo, "after_step")
+        has_after_backward, has_after_step = overrides(algo, "after_backward"), overrides(algo, "after_step")
         active = [sum(1 for c in members if c.total > step) for step in range(members[0].total)]
         for step, m in enumerate(active):  # m: the clients still training are rows 0..m-1 (sorted by step count)
             if group_data is not None:
@@ -577,7 +574,7 @@ class BatchedExecutor:
                 totals[k] += values[pos + k]
             pos += m
         finished = []  # (cid, reply) of the clients whose after_local returned
-        evaluates = _overrides(algo, "after_local")
+        evaluates = overrides(algo, "after_local")
         for cid in contexts:
             client = members[row[cid]]
             if not client.alive:

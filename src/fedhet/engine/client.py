@@ -39,11 +39,16 @@ LOCAL_PARAMS, LOCAL_BUFFERS = "local_params", "local_buffers"
 PersonalScores = dict[str, tuple[int, int]]
 
 
+def overrides(algo: Algorithm, hook: str) -> bool:
+    """Whether ``algo`` replaces the contract's ``hook`` (in its class or on the instance)."""
+    return getattr(type(algo), hook) is not getattr(Algorithm, hook) or hook in vars(algo)
+
+
 def why_uncompiled(algo: Algorithm) -> str | None:
     """Why ``run.compile`` leaves ``algo``'s sequential local steps uncompiled, or None where it compiles them: the
     loop compiles the gradient of the contract's ``loss``, which a ``local_loss`` hook of the algorithm's own
     replaces, and local DP-SGD computes per-sample gradients of its own."""
-    if type(algo).local_loss is not Algorithm.local_loss or "local_loss" in vars(algo):
+    if overrides(algo, "local_loss"):
         return f"{type(algo).__name__} has its own local_loss hook, which reads the client's context"
     if getattr(algo.setup, "privacy", None) is not None and algo.setup.privacy.mode == "local":
         return "local DP-SGD computes per-sample gradients"
