@@ -104,19 +104,35 @@ RETUNED_LR = "log:1e-4:0.3"
 RETUNED_ARCHIVE = HERE / "results-lr-wide"
 
 
+def tuned_cells(out: Path, archive: Path, kind: str, method: str) -> dict[int, float]:
+    """A method's finished tuned runs of a kind: the archived ones, replaced by OUT's where both have a seed."""
+    return {**_method(archive / kind, method), **_method(out / kind, method)}
+
+
+def row(
+    label: str,
+    default: dict[int, float],
+    tuned: dict[int, float],
+    base: dict[int, float] | None,
+    rank: str,
+    summary: dict | None,
+) -> str:
+    """A kind table's row: both cells, their difference paired by seed, the rank change, the difference to tuned
+    FedAvg (``base``; None: the row is FedAvg's), the chosen values and the budget."""
+    shared = sorted(set(default) & set(tuned))
+    diff = spread({s: tuned[s] - default[s] for s in shared}, signed=True)
+    versus = against_baseline(tuned, base) if base is not None and tuned else "–"
+    cells = [spread(default), spread(tuned), diff, rank, versus, *chosen(summary)]
+    return f"| {label} | " + " | ".join(cells) + " |"
+
+
 def retuned_rows(retuned: Path, kind: str, default: dict, base: dict[int, float]) -> list[str]:
     lines = []
     for m in METHODS:
-        runs = {**_method(RETUNED_ARCHIVE / kind, m), **_method(retuned / kind, m)}
+        runs = tuned_cells(retuned, RETUNED_ARCHIVE, kind, m)
         summary = tune_summary(retuned, kind, m, RETUNED_ARCHIVE)
-        if not runs and summary is None:
-            continue
-        values, budget = chosen(summary)
-        shared = sorted(set(default[m]) & set(runs))
-        diff = spread({s: runs[s] - default[m][s] for s in shared}, signed=True)
-        versus = against_baseline(runs, base) if runs else "–"
-        cells = [spread(default[m]), spread(runs), diff, "–", versus, values, budget]
-        lines.append(f"| {m}, lr on {RETUNED_LR}² | " + " | ".join(cells) + " |")
+        if runs or summary is not None:
+            lines.append(row(f"{m}, lr on {RETUNED_LR}²", default[m], runs, base, "–", summary))
     return lines
 
 
@@ -125,21 +141,17 @@ def kind_table(out: Path, kind: str, retuned: Path | None = None) -> list[str]:
     head += ["chosen", "budget"]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---|" * (len(head) - 1)]
     default = {m: _method(DEFAULTS / kind, m) for m in METHODS}
-    tuned = {m: {**_method(ARCHIVE / kind, m), **_method(out / kind, m)} for m in METHODS}
+    tuned = {m: tuned_cells(out, ARCHIVE, kind, m) for m in METHODS}
     both = [m for m in METHODS if default[m] and tuned[m] and m not in NO_GLOBAL_MODEL]
     rank_default = ranks({m: mean(default[m].values()) for m in both})
     rank_tuned = ranks({m: mean(tuned[m].values()) for m in both})
     for m in METHODS:
-        values, budget = chosen(tune_summary(out, kind, m))
         if m in NO_GLOBAL_MODEL:
             lines.append(f"| {m} | n/a¹ | n/a¹ | | | | | |")
             continue
-        shared = sorted(set(default[m]) & set(tuned[m]))
-        diff = spread({s: tuned[m][s] - default[m][s] for s in shared}, signed=True)
         rank = f"{rank_default[m]} → {rank_tuned[m]}" if m in both else "–"
-        versus = against_baseline(tuned[m], tuned[BASELINE]) if m != BASELINE and tuned[m] else "–"
-        cells = [spread(default[m]), spread(tuned[m]), diff, rank, versus, values, budget]
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        base = tuned[BASELINE] if m != BASELINE else None
+        lines.append(row(m, default[m], tuned[m], base, rank, tune_summary(out, kind, m)))
     return lines if retuned is None else lines + retuned_rows(retuned, kind, default, tuned[BASELINE])
 
 
@@ -152,7 +164,7 @@ def rank_table(out: Path) -> list[str]:
     tables: dict[str, dict[str, dict[str, float]]] = {"default": {}, "tuned": {}}
     for kind in KINDS:
         default = {m: _method(DEFAULTS / kind, m) for m in methods}
-        tuned = {m: {**_method(ARCHIVE / kind, m), **_method(out / kind, m)} for m in methods}
+        tuned = {m: tuned_cells(out, ARCHIVE, kind, m) for m in methods}
         if all(default[m] and tuned[m] for m in methods):
             tables["default"][kind] = {m: mean(default[m].values()) for m in methods}
             tables["tuned"][kind] = {m: mean(tuned[m].values()) for m in methods}
