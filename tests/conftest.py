@@ -65,3 +65,16 @@ def kill_and_resume():
         return full, resumed
 
     return run
+
+
+@pytest.fixture
+def failing_compile(monkeypatch):
+    """torch.compile replaced by one whose compiled functions raise at every call, as where no C++ compiler is."""
+
+    def broken(fn, **options):
+        def call(*args):
+            raise RuntimeError("no C++ compiler here")
+
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)

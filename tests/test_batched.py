@@ -227,16 +227,7 @@ def test_the_compiled_step_traces_the_same_computation(tiny_config, model, algor
             assert torch.equal(compiled[cid].tensors[name], t), (cid, name)
 
 
-def test_a_failing_compiled_step_runs_uncompiled_after_one_warning(tiny_config, monkeypatch):
-    from fedhet.toolkit import compiled as compiled_module
-
-    def broken(fn, **options):
-        def call(*args):
-            raise RuntimeError("no C++ compiler here")
-
-        return call
-
-    monkeypatch.setattr(compiled_module.torch, "compile", broken)
+def test_a_failing_compiled_step_runs_uncompiled_after_one_warning(tiny_config, failing_compile):
     sim = Simulation(tiny_config(train=TRAIN))
     plain, _ = one_phase(sim, max_group=4)
     with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler here.*runs uncompiled") as caught:

@@ -88,14 +88,7 @@ def test_a_whole_run_with_the_sequential_step_compiled_equals_the_uncompiled_run
     assert runs["default"] == runs["off"] and len(runs["off"]) == 3
 
 
-def test_a_failing_compiled_local_step_runs_uncompiled_after_one_warning(tiny_config, monkeypatch):
-    def broken(fn, **options):
-        def call(*args):
-            raise RuntimeError("no C++ compiler here")
-
-        return call
-
-    monkeypatch.setattr(compiled_module.torch, "compile", broken)
+def test_a_failing_compiled_local_step_runs_uncompiled_after_one_warning(tiny_config, failing_compile):
     plain, _ = one_phase(Simulation(tiny_config(train=TRAIN, run={"executor": "sequential"})))
     sim = Simulation(tiny_config(train=TRAIN, run={"executor": "sequential", "compile": "default"}))
     with pytest.warns(RuntimeWarning, match="the local step failed.*no C\\+\\+ compiler here.*uncompiled") as caught:
