@@ -74,9 +74,10 @@ def main(argv: list[str] | None = None) -> dict:
         cell = cell_folder(Path(args.study), args.kind, method)
         best = json.loads((cell / "tuning" / method / "tune.json").read_text())["best"]
         raw = trial_config(cell, method)
-        values = {lr: probe(raw, lr, out, f"{method}-lr{lr:g}") for lr in lrs}
-        rows.append({"method": method, "chosen_lr": best["params"]["train.lr"], "best_val_acc": best["value"]})
-        rows[-1]["probes"] = {f"{lr:g}": v for lr, v in values.items()}
+        probes = {f"{lr:g}": probe(raw, lr, out, f"{method}-lr{lr:g}") for lr in lrs}
+        rows.append(
+            {"method": method, "chosen_lr": best["params"]["train.lr"], "best_val_acc": best["value"], "probes": probes}
+        )
         print(json.dumps(rows[-1]), flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "probe.json").write_text(json.dumps(merged(out / "probe.json", rows), indent=1))
