@@ -480,6 +480,29 @@ def test_several_tuning_seeds_give_a_trial_one_run_folder_per_seed(tmp_path):
         open_study(p.out_dir, p.base, p.space, p.settings, parallel=False, seeds=[100, 102])
 
 
+def test_the_tune_command_runs_each_trial_on_every_seed_of_seeds(tmp_path):
+    args = ["tune", "--trials", "1", "-a", "fedprox", "-o", str(tmp_path), "--name", "tu", *TINY_ARGS]
+    result = runner.invoke(app, [*args, "--seeds", "100,101"])
+    assert result.exit_code == 0, result.output
+    runs = sorted((tmp_path / "tu" / "trials" / "0").glob("s*/metrics.jsonl"))
+    assert [r.parent.name for r in runs] == ["s100", "s101"]
+    assert [json.loads(r.read_text().splitlines()[-1])["round"] for r in runs] == [2, 2]
+    summary = json.loads((tmp_path / "tu" / "tune.json").read_text())
+    assert summary["budget"]["rounds_per_trial"] == 4  # two seeds of 2 rounds
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--seeds", "100,100"], "--seeds '100,100': give distinct seeds as a comma list"),
+        (["--seeds", "100,101", "--seed", "3"], "--seed 3 and --seeds '100,101' both give the tuning seed"),
+    ],
+)
+def test_bad_tuning_seeds_are_one_line(extra, message):
+    result = runner.invoke(app, ["tune", "--trials", "1", "-a", "fedprox", *TINY_ARGS, *extra])
+    assert message in str(result.exception)
+
+
 def test_a_best_value_at_the_edge_of_its_range_is_named_in_tune_md_and_marked_in_the_comparison():
     from fedhet.tuning.compare import EDGE_NOTE, VariantTune, tuning_rows
     from fedhet.tuning.tuner import TuneResult, result_markdown

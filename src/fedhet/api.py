@@ -372,6 +372,7 @@ def tune(
     reduce: str = "last",
     sampler: str = "tpe",
     pruner: str = "median",
+    seeds: Sequence[int] | str | int | None = None,
     jobs: int | str = 1,
     threads: int | None = None,
     plugins: Iterable[str | Path] = (),
@@ -386,12 +387,15 @@ def tune(
     (``val_acc``, ``val_loss``, ...; a test metric is refused); ``reduce``: its ``last`` or ``best`` value over a
     run's evaluations, or ``last3`` (the mean of the last three; any ``last<K>``); ``sampler``: ``tpe`` (seeded
     from ``run.seed``), ``random`` or ``grid``; ``pruner``: ``median``, ``hyperband`` or ``none``; ``jobs``: trials
-    at once, in worker processes. The tune folder is ``run.out_dir/run.name`` (``name=``; default ``tune-<the run's
-    name>``): ``study.db``, ``trials/<number>`` (one run folder per trial), ``tune.json``, ``tune.md``. Raises
-    ``RunFailed`` when no trial completed."""
+    at once, in worker processes; ``seeds``: the tuning seeds (``[100, 101]`` or ``"100,101"``), each trial one run
+    per seed scored by the mean of their objectives, the first also the sampler's seed and the config's
+    ``run.seed`` (default: one run on ``run.seed``). The tune folder is ``run.out_dir/run.name`` (``name=``;
+    default ``tune-<the run's name>``): ``study.db``, ``trials/<number>`` (one run folder per trial), ``tune.json``,
+    ``tune.md``. Raises ``RunFailed`` when no trial completed."""
     from rich.console import Console
 
     from fedhet.cells import parse_jobs
+    from fedhet.tuning.compare import parse_tune_seeds
     from fedhet.tuning.study import TuneSettings
     from fedhet.tuning.tuner import plan_tune, raise_if_nothing
     from fedhet.tuning.tuner import tune as run_tune
@@ -401,8 +405,16 @@ def tune(
     jobs = parse_jobs(jobs, "jobs")
     if isinstance(space, str):
         raise ConfigError(f"space must be a list of 'KEY=SPEC' strings, not the string {space!r}")
+    seed_list = None
+    if seeds is not None:
+        seed_list = parse_tune_seeds(seeds if isinstance(seeds, str | int) else list(seeds), "--seeds")
+        if shortcuts.get("seed") is not None:
+            raise ConfigError(
+                f"--seed {shortcuts['seed']} and --seeds {seeds!r} both give the tuning seed: give one of them"
+            )
+        shortcuts["seed"] = seed_list[0]  # the tune folder's name and the sampler's seed follow the first
     cfg = make_config(config, overrides, plugins=plugins, **shortcuts)
-    plan = plan_tune(cfg, list(space), settings)
+    plan = plan_tune(cfg, list(space), settings, seeds=seed_list)
     with _accepting_plugins(accept_changed_plugins):
         result = run_tune(plan, jobs=jobs, threads=threads, console=console or Console(quiet=True))
     raise_if_nothing(result)

@@ -353,6 +353,13 @@ def tune(
         str,
         typer.Option("--pruner", help="Stop poor trials early on the round-wise metric: median, hyperband, none."),
     ] = "median",
+    seeds: Annotated[
+        str | None,
+        typer.Option(
+            "--seeds",
+            help="Tuning seeds, e.g. 100,101: each trial runs once per seed, scored by their mean (default: --seed).",
+        ),
+    ] = None,
     algorithm: AlgorithmOpt = None,
     dataset: DatasetOpt = None,
     partition: PartitionOpt = None,
@@ -393,6 +400,7 @@ def tune(
             reduce=reduce,
             sampler=sampler,
             pruner=pruner,
+            seeds=seeds,
             jobs=parse_jobs(jobs),
             threads=threads,
             plugins=plugin or (),

@@ -54,16 +54,20 @@ class TuneOptions:
 
     def seed_list(self) -> list[int]:
         """The tuning seeds (default 100): with several, each trial runs one run per seed, scored by their mean."""
-        if self.seeds is None:
-            return [DEFAULT_TUNE_SEED]
-        parts = self.seeds if isinstance(self.seeds, list) else str(self.seeds).split(",")
-        text = [str(p).strip() for p in parts]
-        if not text or not all(t.isascii() and t.isdigit() for t in text) or len(set(text)) < len(text):
-            raise ConfigError(
-                f"--tune-seeds {self.seeds!r}: give distinct seeds as a comma list of non-negative integers, "
-                "e.g. --tune-seeds 100 or 100,101"
-            )
-        return [int(t) for t in text]
+        return [DEFAULT_TUNE_SEED] if self.seeds is None else parse_tune_seeds(self.seeds, "--tune-seeds")
+
+
+def parse_tune_seeds(seeds: str | int | list[int], option: str) -> list[int]:
+    """Distinct non-negative tuning seeds from ``"100,101"``, ``100`` or ``[100, 101]``; ``option`` names the setting
+    in the error."""
+    parts = seeds if isinstance(seeds, list) else str(seeds).split(",")
+    text = [str(p).strip() for p in parts]
+    if not text or not all(t.isascii() and t.isdigit() for t in text) or len(set(text)) < len(text):
+        raise ConfigError(
+            f"{option} {seeds!r}: give distinct seeds as a comma list of non-negative integers, "
+            f"e.g. {option} 100 or 100,101"
+        )
+    return [int(t) for t in text]
 
 
 @dataclass
