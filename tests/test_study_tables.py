@@ -67,6 +67,25 @@ def test_tuning_table_sets_each_tuned_cell_beside_its_default_with_ranks_and_bud
     assert cells[2:6] == ["60.0 ± 2.0 <sub>s0,1,2</sub>", "+20.0 ± 2.0 <sub>s0,1,2</sub>", "–", "+4.7 [+2.0, +8.0]▲"]
 
 
+def test_tuning_plot_draws_each_method_with_both_cells(tmp_path, monkeypatch):
+    tables = load(BENCHMARKS / "tuning" / "tables.py", "tuning_tables_plot")
+    monkeypatch.setattr(tables, "DEFAULTS", tmp_path / "defaults")
+    monkeypatch.setattr(tables, "ARCHIVE", tmp_path / "archive")
+    out = tmp_path / "out"
+    for seed, (default, tuned) in enumerate([(0.60, 0.50), (0.62, 0.56), (0.64, 0.62)]):
+        write_run(tmp_path / "defaults" / "rotated" / f"fedavg-s{seed}", [(30, default)])
+        write_run(out / "rotated" / f"fedavg-s{seed}", [(30, tuned)])
+    write_run(tmp_path / "defaults" / "rotated" / "moon-s0", [(30, 0.7)])  # no tuned cell: not drawn
+    write_run(tmp_path / "archive" / "rotated" / "fedbn-s0", [(30, 0.7)])  # no global model: never drawn
+    write_run(tmp_path / "defaults" / "rotated" / "fedbn-s0", [(30, 0.7)])
+    assert [
+        (m, round(d, 6), round(ds, 6), round(t, 6), round(ts, 6))
+        for m, d, ds, t, ts in tables.dumbbells(out, "rotated")
+    ] == [("fedavg", 62.0, 2.0, 56.0, 6.0)]
+    tables.plot(out, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_pretrained_table_gives_the_gap_paired_by_seed_and_fedavgs_advantage(tmp_path, monkeypatch):
     tables = load(BENCHMARKS / "pretrained" / "tables.py", "pretrained_tables")
     monkeypatch.setattr(tables, "ARCHIVE", tmp_path / "archive")

@@ -1,6 +1,6 @@
 """The tables of docs/tuning.md's study from run.sh's folders, beside docs/non-iid.md's default-settings cells.
 
-Usage: python benchmarks/tuning/tables.py [OUT] [--claims DIR] [--retuned DIR]
+Usage: python benchmarks/tuning/tables.py [OUT] [--claims DIR] [--retuned DIR] [--plot PNG]
   (defaults runs/tuning-fmnist, runs/tuning-claims, runs/tuning-fmnist-lr-wide)
 
 For each kind, one row per method: its default-settings cell (benchmarks/noniid/results: fmnist.toml's settings,
@@ -180,6 +180,48 @@ def rank_table(out: Path) -> list[str]:
     return lines
 
 
+def dumbbells(out: Path, kind: str) -> list[tuple[str, float, float, float, float]]:
+    """(method, default mean, its std, tuned mean, its std) for every method of a kind with both cells (%; std 0
+    with one seed), in the table's order."""
+    rows = []
+    for m in METHODS:
+        cells = [_method(DEFAULTS / kind, m), tuned_cells(out, ARCHIVE, kind, m)]
+        if m in NO_GLOBAL_MODEL or not all(cells):
+            continue
+        stats = [(mean(c.values()), stdev(c.values()) if len(c) > 1 else 0.0) for c in cells]
+        rows.append((m, *stats[0], *stats[1]))
+    return rows
+
+
+def plot(out: Path, path: Path) -> None:
+    """One panel per kind: each method's default-settings cell (grey) joined to its tuned cell (blue), mean ± std
+    over seeds, so a rank change reads as crossing lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(KINDS), figsize=(5 * len(KINDS), 4.2), sharey=True)
+    labels = [m for m in METHODS if m not in NO_GLOBAL_MODEL]
+    for ax, (kind, title) in zip(axes, KINDS.items(), strict=True):
+        for m, d, d_std, t, t_std in dumbbells(out, kind):
+            y = labels.index(m)
+            ax.plot([d, t], [y, y], color="0.6", zorder=1)
+            ax.errorbar(d, y, xerr=d_std, fmt="o", color="0.55", capsize=3, zorder=2)
+            ax.errorbar(t, y, xerr=t_std, fmt="o", color="tab:blue", capsize=3, zorder=3)
+        ax.set_title(title)
+        ax.set_xlabel(f"global test accuracy (%) after {ROUNDS} rounds")
+        ax.grid(alpha=0.3)
+    axes[0].set_yticks(range(len(labels)), labels)
+    axes[0].invert_yaxis()
+    handles = [plt.Line2D([], [], marker="o", ls="", color=c) for c in ("0.55", "tab:blue")]
+    fig.legend(handles, ["default settings (lr 0.01)", "tuned (16 trials × 15 rounds)"], loc="lower center", ncol=2)
+    fig.suptitle("Fashion-MNIST, 10 clients: default settings against tuned, mean ± std over seeds 0-2")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # claims.sh: each seed paper's method and its strongest baseline on the paper's claims-row protocol
 CLAIMS = {  # paper: (its method, its strongest baselines untuned: the row compares with the best of them tuned)
     "fedbc": ("fedbc", ("qfedavg", "scaffold")),
@@ -243,7 +285,10 @@ def main() -> None:
     parser.add_argument(
         "--retuned", type=Path, default=Path("runs/tuning-fmnist-lr-wide"), help=f"run.sh's OUT with LR={RETUNED_LR}"
     )
+    parser.add_argument("--plot", type=Path, help="also draw each kind's default and tuned cells (a PNG)")
     args = parser.parse_args()
+    if args.plot:
+        plot(args.out, args.plot)
     for kind, title in KINDS.items():
         print(f"\n### {title}: global test accuracy (%) after {ROUNDS} rounds\n")
         print("\n".join(kind_table(args.out, kind, args.retuned)))
