@@ -23,10 +23,17 @@ def write_run(folder: Path, accs: list[tuple[int, float]], **extra) -> None:
     (folder / "metrics.jsonl").write_text(text)
 
 
-def test_tuning_table_sets_each_tuned_cell_beside_its_default_with_ranks_and_budget(tmp_path, monkeypatch):
-    tables = load(BENCHMARKS / "tuning" / "tables.py", "tuning_tables")
+def tuning_tables(tmp_path: Path, monkeypatch, name: str):
+    """benchmarks/tuning/tables.py reading its default-settings cells from tmp_path/defaults, its archive from
+    tmp_path/archive."""
+    tables = load(BENCHMARKS / "tuning" / "tables.py", name)
     monkeypatch.setattr(tables, "DEFAULTS", tmp_path / "defaults")
     monkeypatch.setattr(tables, "ARCHIVE", tmp_path / "archive")
+    return tables
+
+
+def test_tuning_table_sets_each_tuned_cell_beside_its_default_with_ranks_and_budget(tmp_path, monkeypatch):
+    tables = tuning_tables(tmp_path, monkeypatch, "tuning_tables")
     out = tmp_path / "out"
     for seed, (default, tuned) in enumerate([(0.60, 0.50), (0.62, 0.56), (0.64, 0.60)]):
         write_run(tmp_path / "defaults" / "two_classes" / f"fedavg-s{seed}", [(30, default)])
@@ -68,9 +75,7 @@ def test_tuning_table_sets_each_tuned_cell_beside_its_default_with_ranks_and_bud
 
 
 def test_tuning_plot_draws_each_method_with_both_cells(tmp_path, monkeypatch):
-    tables = load(BENCHMARKS / "tuning" / "tables.py", "tuning_tables_plot")
-    monkeypatch.setattr(tables, "DEFAULTS", tmp_path / "defaults")
-    monkeypatch.setattr(tables, "ARCHIVE", tmp_path / "archive")
+    tables = tuning_tables(tmp_path, monkeypatch, "tuning_tables_plot")
     out = tmp_path / "out"
     for seed, (default, tuned) in enumerate([(0.60, 0.50), (0.62, 0.56), (0.64, 0.62)]):
         write_run(tmp_path / "defaults" / "rotated" / f"fedavg-s{seed}", [(30, default)])
@@ -162,9 +167,7 @@ def test_edge_probe_reruns_the_chosen_values_as_a_tuning_trial_below_the_range(t
 
 
 def test_rank_table_averages_each_methods_rank_over_the_kinds_where_every_method_finished(tmp_path, monkeypatch):
-    tables = load(BENCHMARKS / "tuning" / "tables.py", "tuning_tables_ranks")
-    monkeypatch.setattr(tables, "DEFAULTS", tmp_path / "defaults")
-    monkeypatch.setattr(tables, "ARCHIVE", tmp_path / "archive")
+    tables = tuning_tables(tmp_path, monkeypatch, "tuning_tables_ranks")
     out = tmp_path / "out"
     methods = [m for m in tables.METHODS if m not in tables.NO_GLOBAL_MODEL]
     assert tables.rank_table(out) == ["(no kind has every method's default and tuned cells yet)"]
