@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
+
+import pytest
 
 BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
 
@@ -164,6 +167,23 @@ def test_edge_probe_reruns_the_chosen_values_as_a_tuning_trial_below_the_range(t
     # a later call with other rates joins its probes to the method's row in probe.json
     probe.main([*argv[:3], "0.05", *argv[4:], "--out", str(tmp_path / "probe")])
     assert json.loads((tmp_path / "probe" / "probe.json").read_text()) == rows
+
+    # a claims.sh paper's folder, another setting, the tune's own rounds per trial
+    paper = tmp_path / "paper"
+    shutil.copytree(cell, paper)
+    summary = {"best": {"params": {"train.lr": 0.001}, "value": 0.5}, "budget": {"rounds_per_trial": 3}}
+    (paper / "tuning" / "fedavg" / "tune.json").write_text(json.dumps(summary))
+    more = ["--out", str(tmp_path / "probe2")]
+    [row] = probe.main([str(paper), "fedavg", "--param", "train.momentum", "--values", "0.5", *more])["rows"]
+    assert (row["param"], row["chosen"], list(row["probes"])) == ("train.momentum", None, ["0.5"])
+    saved = json.loads((tmp_path / "probe2" / "fedavg-momentum0.5" / "config.json").read_text())
+    assert (saved["run"]["rounds"], saved["train"]["momentum"], saved["train"]["lr"]) == (
+        3,
+        0.5,
+        0.1,
+    )  # the final run's
+    with pytest.raises(SystemExit, match="--param train.nope: the run's config has no such setting"):
+        probe.main([str(paper), "fedavg", "--param", "train.nope", "--values", "1", *more])
 
 
 def test_rank_table_averages_each_methods_rank_over_the_kinds_where_every_method_finished(tmp_path, monkeypatch):
