@@ -496,6 +496,7 @@ def test_the_tune_command_runs_each_trial_on_every_seed_of_seeds(tmp_path):
     [
         (["--seeds", "100,100"], "--seeds '100,100': give distinct seeds as a comma list"),
         (["--seeds", "100,101", "--seed", "3"], "--seed 3 and --seeds '100,101' both give the tuning seed"),
+        (["--seeds", "100", "-s", "run.seed=3"], "-s run.seed=3 and --seeds '100' both give the tuning seed"),
     ],
 )
 def test_bad_tuning_seeds_are_one_line(extra, message):
