@@ -26,19 +26,13 @@ ARCHIVE = HERE / "results"
 TUNE_SEED, TUNE_ROUNDS = 100, 15  # run.sh's
 
 
-def where_folder(where: Path, method: str) -> Path | None:
-    """``where`` itself when it is a folder holding the method's tune and its seed-0 final run (a claims.sh paper's)."""
-    if (where / "tuning" / method / "tune.json").exists() and (where / f"{method}-s0").exists():
-        return where
-    return None
-
-
-def cell_folder(study: Path, kind: str, method: str) -> Path:
-    """The kind's folder holding the method's tune and final runs: the study's, else the archive's."""
-    for root in (study, ARCHIVE):
-        if (root / kind / "tuning" / method / "tune.json").exists() and (root / kind / f"{method}-s0").exists():
-            return root / kind
-    raise SystemExit(f"no finished tune of {method} under {kind} in {study} or {ARCHIVE}")
+def cell_folder(study: Path, where: str, method: str) -> Path:
+    """The folder holding the method's tune and its seed-0 final run: WHERE itself (a claims.sh paper's folder), else
+    the study's kind folder, else the archive's."""
+    for folder in (Path(where), study / where, ARCHIVE / where):
+        if (folder / "tuning" / method / "tune.json").exists() and (folder / f"{method}-s0").exists():
+            return folder
+    raise SystemExit(f"no finished tune of {method} in {where} or under {where} in {study} or {ARCHIVE}")
 
 
 def trial_config(cell: Path, method: str, rounds: int) -> dict:
@@ -96,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out or f"runs/edge-probe/{Path(args.where).name}")
     rows = []
     for method in args.methods.split(","):
-        cell = where_folder(Path(args.where), method) or cell_folder(Path(args.study), args.where, method)
+        cell = cell_folder(Path(args.study), args.where, method)
         tune = json.loads((cell / "tuning" / method / "tune.json").read_text())
         raw = trial_config(cell, method, tune.get("budget", {}).get("rounds_per_trial", TUNE_ROUNDS))
         probes = {f"{v:g}": probe(raw, args.param, v, out, f"{method}-{short}{v:g}") for v in values}

@@ -408,10 +408,10 @@ def tune(
     seed_list = None
     if seeds is not None:
         seed_list = parse_tune_seeds(seeds if isinstance(seeds, str | int) else list(seeds), "--seeds")
-        given = [f"--seed {shortcuts['seed']}"] if shortcuts.get("seed") is not None else []
-        given += [f"-s run.seed={v}" for v in [_run_seed_override(overrides)] if v is not None]
-        if given:
-            raise ConfigError(f"{given[0]} and --seeds {seeds!r} both give the tuning seed: give one of them")
+        overridden = config_dict(None, overrides).get("run", {}).get("seed")  # the overrides alone
+        if shortcuts.get("seed") is not None or overridden is not None:
+            given = f"--seed {shortcuts['seed']}" if shortcuts.get("seed") is not None else f"-s run.seed={overridden}"
+            raise ConfigError(f"{given} and --seeds {seeds!r} both give the tuning seed: give one of them")
         shortcuts["seed"] = seed_list[0]  # the tune folder's name and the sampler's seed follow the first
     cfg = make_config(config, overrides, plugins=plugins, **shortcuts)
     plan = plan_tune(cfg, list(space), settings, seeds=seed_list)
@@ -419,21 +419,6 @@ def tune(
         result = run_tune(plan, jobs=jobs, threads=threads, console=console or Console(quiet=True))
     raise_if_nothing(result)
     return result
-
-
-def _run_seed_override(overrides: Mapping[str, Any] | Iterable[str] | None) -> Any:
-    """The value ``overrides`` give ``run.seed`` (``-s run.seed=5``, ``{"run.seed": 5}``, ``{"run": {"seed": 5}}``),
-    or None."""
-    if overrides is None:
-        return None
-    if isinstance(overrides, Mapping):
-        run = overrides.get("run")
-        return overrides.get("run.seed", run.get("seed") if isinstance(run, Mapping) else None)
-    for item in overrides:
-        key, _, value = str(item).partition("=")
-        if key.replace(" ", "") == "run.seed":
-            return value.strip()
-    return None
 
 
 @contextmanager
