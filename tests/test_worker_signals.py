@@ -324,3 +324,25 @@ def test_a_ctrl_c_in_another_thread_during_a_workers_start_is_raised_after_it():
         time.sleep(0.1)  # many bytecode boundaries: an undeferred handler would raise here
         finished = True
     assert finished
+
+
+def test_a_ctrl_c_while_a_message_is_handed_over_is_raised_after_it():
+    """Sending or receiving a message builds torch's shared-memory bookkeeping in several steps; a KeyboardInterrupt
+    between two of them left a half-built ``StorageWeakRef`` whose finaliser printed a traceback after the one line.
+    A Ctrl-C in the middle is raised once the hand-over is complete, with the message intact."""
+    import multiprocessing
+
+    import torch
+
+    from fedhet.engine import workers
+
+    sent = torch.arange(6.0)
+    a, b = multiprocessing.Pipe()
+    received, handler = None, signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt), workers._sigint_deferred():
+        a.send(sent)
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(0.1)  # many bytecode boundaries: an undeferred handler would raise here
+        received = b.recv()
+    assert torch.equal(received, sent)
+    assert signal.getsignal(signal.SIGINT) is handler

@@ -82,6 +82,26 @@ def _main_left_out() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """In the main thread, a Ctrl-C that comes during the body is raised once it has ended, not in its middle.
+
+    Pickling and unpickling a message moves its tensors through shared memory, and torch's reductions build their
+    bookkeeping (``StorageWeakRef``) in several steps: a KeyboardInterrupt between two of them leaves a half-built
+    object whose finaliser prints a traceback at exit, after our one line."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    handler = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler if handler is not None else signal.default_int_handler)
+        if pending:
+            signal.raise_signal(signal.SIGINT)
+
+
+@contextlib.contextmanager
 def _sigint_held() -> Iterator[None]:
     """SIGINT blocked in this thread for the instant a worker is started. The worker inherits the blocked signal, so a
     Ctrl-C while it imports (torch takes seconds) is never delivered there, no KeyboardInterrupt traceback, until it
@@ -94,18 +114,12 @@ def _sigint_held() -> Iterator[None]:
     # runs its handler in the main thread, raising KeyboardInterrupt in the middle of the start (between spawning
     # the worker and sending it its preparation data, which it then fails to read, with a traceback). So in the main
     # thread the handler also waits: a Ctrl-C that came meanwhile is raised again once the worker has started.
-    pending: list[int] = []
-    main = threading.current_thread() is threading.main_thread()
-    handler = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum)) if main else None
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
-        if main:
-            signal.signal(signal.SIGINT, handler if handler is not None else signal.default_int_handler)
-            if pending:
-                signal.raise_signal(signal.SIGINT)
+    with _sigint_deferred():
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _owned_temp_dir() -> str | None:
@@ -373,8 +387,11 @@ class WorkerPool:
 
     def _setup_one(self, i: int) -> None:
         try:
-            self.conns[i].send(self.setup_msg)
-            answer = self.conns[i].recv()
+            with _sigint_deferred():
+                self.conns[i].send(self.setup_msg)
+            self.conns[i].poll(None)  # the worker may still import torch: a Ctrl-C meanwhile stops at once
+            with _sigint_deferred():
+                answer = self.conns[i].recv()
         except (EOFError, OSError):
             self.procs[i].join(timeout=5)
             raise WorkerDied(
@@ -411,13 +428,15 @@ class WorkerPool:
                         if not self.procs[i].is_alive():  # died while idle: nothing was lost, replace it
                             self._start(i)
                         busy[i] = make_task(pending.pop())
-                        with contextlib.suppress(OSError):  # died since the check: its sentinel reports it below
+                        # died since the check: its sentinel reports it below
+                        with contextlib.suppress(OSError), _sigint_deferred():
                             self.conns[i].send(busy[i])
                 ready = wait([self.conns[i] for i in busy] + [self.procs[i].sentinel for i in busy])
                 for i in list(busy):
                     if self.conns[i] in ready or self.conns[i].poll():
                         try:
-                            answer = self.conns[i].recv()
+                            with _sigint_deferred():
+                                answer = self.conns[i].recv()
                         except (EOFError, OSError):  # a dead worker reads as EOF, or as a reset connection when
                             answer = None  # it died with our task unread in its socket (seen under load)
                         if answer is not None:
