@@ -409,8 +409,9 @@ def tune(
     if seeds is not None:
         seed_list = parse_tune_seeds(seeds if isinstance(seeds, str | int) else list(seeds), "--seeds")
         overridden = config_dict(None, overrides).get("run", {}).get("seed")  # the overrides alone
-        if shortcuts.get("seed") is not None or overridden is not None:
-            given = f"--seed {shortcuts['seed']}" if shortcuts.get("seed") is not None else f"-s run.seed={overridden}"
+        given = f"--seed {shortcuts['seed']}" if shortcuts.get("seed") is not None else None
+        given = given or (f"-s run.seed={overridden}" if overridden is not None else None)
+        if given:
             raise ConfigError(f"{given} and --seeds {seeds!r} both give the tuning seed: give one of them")
         shortcuts["seed"] = seed_list[0]  # the tune folder's name and the sampler's seed follow the first
     cfg = make_config(config, overrides, plugins=plugins, **shortcuts)
