@@ -410,27 +410,37 @@ class _AlwaysPrune:
 
 
 @pytest.mark.slow  # two worker processes start (torch import each): 20-40 s on a shared 2-core machine
-def test_pruned_trials_end_early_in_workers_and_count_the_rounds_they_ran(tmp_path, monkeypatch):
+def test_pooled_tunes_share_the_workers_and_pruned_trials_count_the_rounds_they_ran(tmp_path, monkeypatch):
     from fedhet.tuning import tuner
 
     monkeypatch.setattr("fedhet.tuning.study.make_pruner", lambda kind, rounds: _AlwaysPrune())
-    p = plan(tmp_path, "run.rounds=3", trials=3)
-    result = tuner.tune(p, jobs=2, threads=1)
-    assert result.best_trial is None
-    assert result.budget == {
-        "trials": 3,
-        "complete": 0,
-        "pruned": 3,
-        "failed": 0,
-        "rounds_per_trial": 3,
-        "rounds_run": 3,  # each stopped after its first round
-        "rounds_nominal": 9,
-    }
-    for number in range(3):
-        summary = json.loads((p.out_dir / "trials" / str(number) / "summary.json").read_text())
-        assert (summary["status"], summary["rounds_done"]) == ("pruned", 1)
+    first = plan(tmp_path / "a", "run.rounds=3", trials=1)
+    second = plan(tmp_path / "b", "run.rounds=3", trials=2)
+    results = tuner.tune_all([("fedprox a", first), ("fedprox b", second)], jobs=2, threads=1)
+    assert [r.best_trial for r in results] == [None, None]
+    assert [r.budget for r in results] == [
+        {
+            "trials": trials,
+            "complete": 0,
+            "pruned": trials,
+            "failed": 0,
+            "rounds_per_trial": 3,
+            "rounds_run": trials,  # each stopped after its first round
+            "rounds_nominal": 3 * trials,
+        }
+        for trials in (1, 2)
+    ]
+    for p, trials in ((first, 1), (second, 2)):
+        for number in range(trials):
+            summary = json.loads((p.out_dir / "trials" / str(number) / "summary.json").read_text())
+            assert (summary["status"], summary["rounds_done"]) == ("pruned", 1)
+        assert json.loads((p.out_dir / "tune.json").read_text())["budget"]["trials"] == trials
+    # the first tune has one trial for two workers: the second tune's first trial takes the other at once
+    only = optuna.load_study(study_name="tune", storage=storage(first.out_dir)).trials[0]
+    second_first = optuna.load_study(study_name="tune", storage=storage(second.out_dir)).trials[0]
+    assert second_first.datetime_start < only.datetime_complete
     with pytest.raises(RunFailed, match="no trial of the tune in .* completed"):
-        tuner.raise_if_nothing(result)
+        tuner.raise_if_nothing(results[0])
 
 
 def test_a_grid_sampler_suggests_distinct_grid_points(tmp_path):

@@ -25,7 +25,7 @@ from fedhet.errors import ConfigError, RunFailed
 from fedhet.results.store import read_json, write_json_atomic
 from fedhet.tuning.space import EDGE_MARKS, build_space, configured, tunable_parameters
 from fedhet.tuning.study import TuneSettings
-from fedhet.tuning.tuner import TuneResult, budget_text, plan_tune, tune, value_text
+from fedhet.tuning.tuner import TuneResult, budget_text, plan_tune, tune_all, value_text
 
 if TYPE_CHECKING:
     from fedhet.cells import Cell
@@ -77,6 +77,11 @@ class VariantTune:
     out_dir: Path
     space: str  # "" when the variant has nothing to tune
     result: TuneResult | None = None
+
+    @property
+    def label(self) -> str:
+        """The variant, with its grid point where the comparison has one."""
+        return f"{self.variant} ({self.point})" if self.point else self.variant
 
 
 def variant_groups(plan: Comparison) -> dict[tuple[str, str], list[Cell]]:
@@ -146,20 +151,23 @@ def plan_tunes(plan: Comparison, options: TuneOptions) -> list[tuple[VariantTune
 def tune_comparison(
     plan: Comparison, options: TuneOptions, *, jobs: int, threads: int | None, console: Console
 ) -> list[VariantTune]:
-    """Tune every variant (one after another, each with ``jobs`` trials at once), then set each cell's best values;
-    returns what each variant chose. Raises RunFailed when a variant's tune completed no trial."""
+    """Tune every variant, the tunes sharing ``jobs`` worker processes (``tuner.tune_all``: each runs as it would
+    alone, and the next one's trials take the workers it leaves free), then set each cell's best values; returns what
+    each variant chose. Raises RunFailed when a variant's tune completed no trial."""
     planned = plan_tunes(plan, options)
-    for tuned, tune_plan in planned:
-        if tune_plan is None:
-            continue
-        where = f" ({tuned.point})" if tuned.point else ""
-        console.print(escape(f"tuning {tuned.variant}{where}: {tuned.space}"), highlight=False)
-        tuned.result = tune(tune_plan, jobs=jobs, threads=threads, console=console, progress=plan.progress)
-        if tuned.result.best_trial is None:
-            raise RunFailed(
-                f"tuning {tuned.variant}{where}: no trial completed ({budget_text(tuned.result.budget)}); see "
-                f"{tuned.out_dir}/trials/*/summary.json"
-            )
+    todo = [(tuned, tune_plan) for tuned, tune_plan in planned if tune_plan is not None]
+    for tuned, _ in todo:
+        console.print(escape(f"tuning {tuned.label}: {tuned.space}"), highlight=False)
+    labelled = [(tuned.label, tune_plan) for tuned, tune_plan in todo]
+    results = tune_all(labelled, jobs=jobs, threads=threads, console=console, progress=plan.progress)
+    empty = []
+    for (tuned, _), result in zip(todo, results, strict=True):
+        tuned.result = result
+        if result.best_trial is None:
+            where = f"{tuned.out_dir}/trials/*/summary.json"
+            empty.append(f"tuning {tuned.label}: no trial completed ({budget_text(result.budget)}); see {where}")
+    if empty:
+        raise RunFailed("; ".join(empty))
     chosen = {(t.point, t.variant): t for t, _ in planned}
     for i, cell in enumerate(plan.cells):
         tuned = chosen[plan.variants[cell.name]]

@@ -10,7 +10,7 @@ tells Optuna the outcome: the objective (``fedhet.results.objective``, validatio
 
 from __future__ import annotations
 
-from contextlib import suppress
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -184,34 +184,63 @@ def tune(
     console: Console | None = None,
     progress: bool = True,
 ) -> TuneResult:
-    """Run the trials still missing (see the module docstring) and write tune.json and tune.md; returns the result.
-    Raises RunFailed when no trial completed."""
+    """Run the trials still missing (see the module docstring) and write tune.json and tune.md; returns the result."""
+    return tune_all([("", plan)], jobs=jobs, threads=threads, console=console, progress=progress)[0]
+
+
+@dataclass(eq=False)
+class _Tune:
+    """One study of a run of tunes: its plan, its study, the trials it has finished and has running."""
+
+    label: str  # names its trials on the display ("" for a lone tune)
+    plan: TunePlan
+    study: Any
+    finished: int = 0
+    running: int = 0
+    rerun: list[int] = field(default_factory=list)  # trials a killed tune left running, queued again
+
+    @property
+    def to_start(self) -> int:
+        return self.plan.settings.trials - self.finished - self.running
+
+
+def tune_all(
+    plans: list[tuple[str, TunePlan]],
+    *,
+    jobs: int = 1,
+    threads: int | None = None,
+    console: Console | None = None,
+    progress: bool = True,
+) -> list[TuneResult]:
+    """Several tunes (a comparison's variants, each labelled) on one pool of ``jobs`` worker processes: a free worker
+    takes the next trial of the first tune with a trial still to start. So each tune runs as it would alone (as many
+    trials at once as it has left, up to ``jobs``), and the next tune's trials take the workers the ones before it
+    cannot use. Each tune keeps its own folder, study and outputs; returns their results in order."""
     from fedhet.engine.rundir import usable_cores
 
     console = console or Console(stderr=True)
     optuna_module()
-    lock = lock_tune_dir(plan.out_dir)
-    try:
-        study = open_study(plan.out_dir, plan.base, plan.space, plan.settings, parallel=jobs > 1, seeds=plan.seeds)
-        rerun = requeue_interrupted(study)
-        done = len(counted(study))
-        todo = max(plan.settings.trials - done, 0)
+    with ExitStack() as locks:
+        tunes = []
+        for label, plan in plans:
+            locks.callback(lock_tune_dir(plan.out_dir).release)
+            study = open_study(plan.out_dir, plan.base, plan.space, plan.settings, parallel=jobs > 1, seeds=plan.seeds)
+            rerun = requeue_interrupted(study)
+            tunes.append(_Tune(label, plan, study, finished=len(counted(study)), rerun=rerun))
+        todo = sum(max(t.to_start, 0) for t in tunes)
         threads = threads or max(1, usable_cores() // max(jobs, 1))
-        with TuneDisplay(console, plan, done, progress and plan.progress) as display:
-            if rerun:
-                display.note(f"rerunning trial(s) {', '.join(map(str, rerun))}, which a killed tune left running")
-            if done:
-                display.note(f"{done} of {plan.settings.trials} trials had finished before: kept")
-            display.update(study)
+        enabled = progress and all(plan.progress for _, plan in plans)
+        with TuneDisplay(console, tunes, enabled) as display:
+            for t in tunes:
+                display.opened(t)
             if min(jobs, todo) > 1:
-                _run_in_workers(study, plan, min(jobs, todo), threads, display)
+                _run_in_workers(tunes, min(jobs, todo), threads, display)
             elif todo:
-                _run_here(study, plan, threads, display)
-        result = summarise(study, plan)
-    finally:
-        lock.release()
-    write_outputs(result, plan)
-    return result
+                _run_here(tunes, threads, display)
+        results = [summarise(t.study, t.plan) for t in tunes]
+    for result, t in zip(results, tunes, strict=True):
+        write_outputs(result, t.plan)
+    return results
 
 
 # ---------------------------------------------------------------------------------------------- asking and telling
@@ -251,7 +280,7 @@ def _reporter(trial: Any) -> Any:
     return report
 
 
-def _run_here(study: Any, plan: TunePlan, threads: int, display: TuneDisplay) -> None:
+def _run_here(tunes: list[_Tune], threads: int, display: TuneDisplay) -> None:
     import torch
 
     from fedhet.cells import _DataCache
@@ -260,11 +289,13 @@ def _run_here(study: Any, plan: TunePlan, threads: int, display: TuneDisplay) ->
     torch.set_num_threads(threads)
     data = _DataCache()
     try:
-        while len(counted(study)) < plan.settings.trials:
-            trial, job = next_job(study, plan)
-            outcome = run_trial(job, data, display.handle, _reporter(trial))
-            tell(study, trial, outcome)
-            display.finished(outcome, study)
+        for t in tunes:
+            while t.to_start > 0:
+                trial, job = next_job(t.study, t.plan)
+                outcome = run_trial(job, data, lambda event, t=t: display.handle(t, event), _reporter(trial))
+                tell(t.study, trial, outcome)
+                t.finished += 1
+                display.finished(t, outcome)
     finally:
         torch.set_num_threads(before)
 
@@ -273,20 +304,20 @@ def _run_here(study: Any, plan: TunePlan, threads: int, display: TuneDisplay) ->
 class _Slot:
     proc: Any
     conn: Any
+    tune: _Tune | None = None  # the tune whose trial it runs
     trial: Any = None  # the Optuna trial it runs, None while it waits
 
 
-def _run_in_workers(study: Any, plan: TunePlan, workers: int, threads: int, display: TuneDisplay) -> None:
+def _run_in_workers(tunes: list[_Tune], workers: int, threads: int, display: TuneDisplay) -> None:
     """Each worker runs one trial at a time; the next is asked for when one ends (TPE learns from every finished
-    trial). A worker that dies fails its trial only; a new one takes the trials still to run."""
+    trial), from the first tune with a trial still to start. A worker that dies fails its trial only; a new one takes
+    the trials still to run."""
     from multiprocessing.connection import wait
 
     from fedhet.cells import _exit_reason, stop_processes
     from fedhet.engine.workers import CONTEXT
     from fedhet.tuning.trials import worker
 
-    target = plan.settings.trials
-    finished = len(counted(study))
     slots: list[_Slot] = []
 
     def start() -> _Slot:
@@ -296,39 +327,45 @@ def _run_in_workers(study: Any, plan: TunePlan, workers: int, threads: int, disp
         theirs.close()
         return _Slot(proc, mine)
 
-    def running() -> int:
-        return sum(s.trial is not None for s in slots)
+    def waiting() -> _Tune | None:  # the tune whose trial a free worker takes next
+        return next((t for t in tunes if t.to_start > 0), None)
+
+    def assign(slot: _Slot, t: _Tune) -> None:
+        slot.tune, (slot.trial, job) = t, next_job(t.study, t.plan, in_worker=True)
+        t.running += 1
+        with suppress(OSError):
+            slot.conn.send(job)
 
     def end(slot: _Slot, outcome: TrialOutcome) -> None:
-        nonlocal finished
-        tell(study, slot.trial, outcome)
-        slot.trial = None
-        finished += 1
-        display.finished(outcome, study)
+        t = slot.tune
+        assert t is not None
+        tell(t.study, slot.trial, outcome)
+        slot.tune = slot.trial = None
+        t.running -= 1
+        t.finished += 1
+        display.finished(t, outcome)
 
     def read(slot: _Slot) -> bool:
         try:
             while slot.conn.poll():
                 event = slot.conn.recv()
                 if event[0] == "report":
-                    trial = slot.trial
-                    slot.conn.send(_reporter(trial)(event[2], event[3]))
+                    slot.conn.send(_reporter(slot.trial)(event[2], event[3]))
                 elif event[0] == "result":
                     end(slot, event[1])
-                else:
-                    display.handle(event)
+                elif slot.tune is not None:
+                    display.handle(slot.tune, event)
         except (EOFError, OSError):
             return False
         return True
 
     try:
         slots += [start() for _ in range(workers)]
-        while finished < target:
+        while any(t.to_start > 0 or t.running for t in tunes):
             for slot in slots:
-                if slot.proc is not None and slot.trial is None and finished + running() < target:
-                    slot.trial, job = next_job(study, plan, in_worker=True)
-                    with suppress(OSError):
-                        slot.conn.send(job)
+                t = waiting()
+                if slot.proc is not None and slot.trial is None and t is not None:
+                    assign(slot, t)
             live = [s for s in slots if s.proc is not None]
             ready = wait([s.conn for s in live] + [s.proc.sentinel for s in live], timeout=1.0)
             for slot in live:
@@ -342,7 +379,7 @@ def _run_in_workers(study: Any, plan: TunePlan, workers: int, threads: int, disp
                     number = slot.trial.number
                     end(slot, TrialOutcome(number, "failed", 0, f"{TRIALS_DIR}/{number}", error=why))
                 slot.conn.close()
-                fresh = start() if finished + running() < target else None
+                fresh = start() if waiting() is not None else None
                 slot.proc, slot.conn = (fresh.proc, fresh.conn) if fresh else (None, slot.conn)
         for slot in slots:
             if slot.proc is not None:
@@ -489,47 +526,71 @@ def raise_if_nothing(result: TuneResult) -> None:
 
 # ---------------------------------------------------------------------------------------------- display
 class TuneDisplay(LiveDisplay):
-    """One rich Progress: trials done of the total with the best value and the pruned count, a row per running
-    trial; on a log file, one line per finished trial."""
+    """One rich Progress: for each tune, its trials done of its total with the best value and the pruned count, and a
+    row per running trial; on a log file, one line per finished trial. Several tunes name their trials by label."""
 
-    def __init__(self, console: Console, plan: TunePlan, done: int, enabled: bool) -> None:
-        super().__init__(console, "trials", plan.settings.trials, done, enabled)
-        self.plan, self.enabled = plan, enabled
-        self.rows: dict[int, Any] = {}
+    def __init__(self, console: Console, tunes: list[_Tune], enabled: bool) -> None:
+        first = tunes[0]
+        title = escape(self.name(first, "trials"))
+        super().__init__(console, title, first.plan.settings.trials, first.finished, enabled)
+        self.overalls = {first: self.overall}
+        for t in tunes[1:]:
+            self.overalls[t] = self.progress.add_task(
+                f"[bold]{escape(self.name(t, 'trials'))}", total=t.plan.settings.trials, completed=t.finished, info=""
+            )
+        self.rows: dict[tuple[str, int], Any] = {}
 
-    def handle(self, event: tuple[Any, ...]) -> None:
+    @staticmethod
+    def name(t: _Tune, what: str) -> str:
+        return f"{t.label} {what}" if t.label else what
+
+    def opened(self, t: _Tune) -> None:
+        """What a resumed tune found: trials rerun, trials kept."""
+        where = f"{t.label}: " if t.label else ""
+        if t.rerun:
+            self.note(f"{where}rerunning trial(s) {', '.join(map(str, t.rerun))}, which a killed tune left running")
+        if t.finished:
+            self.note(f"{where}{t.finished} of {t.plan.settings.trials} trials had finished before: kept")
+        self.update(t)
+
+    def handle(self, t: _Tune, event: tuple[Any, ...]) -> None:
         kind, number = event[0], event[1]
+        key = (t.label, number)
         if kind == "start":
-            self.rows[number] = self.progress.add_task(f"trial {number}", total=event[2], completed=0, info="")
-        elif kind == "round" and number in self.rows:
+            label = escape(self.name(t, f"trial {number}"))
+            self.rows[key] = self.progress.add_task(label, total=event[2], completed=0, info="")
+        elif kind == "round" and key in self.rows:
             if event[3] is None:  # a round without an evaluation
-                self.progress.update(self.rows[number], completed=event[2])
+                self.progress.update(self.rows[key], completed=event[2])
             else:
-                info = f"{self.plan.settings.metric} {event[3]:.4f}"
-                self.progress.update(self.rows[number], completed=event[2], info=info)
+                info = f"{t.plan.settings.metric} {event[3]:.4f}"
+                self.progress.update(self.rows[key], completed=event[2], info=info)
         elif kind == "log":
-            self.console.print(f"[yellow]trial {number}[/]: {escape(event[2])}", highlight=False, soft_wrap=True)
+            name = escape(self.name(t, f"trial {number}"))
+            self.console.print(f"[yellow]{name}[/]: {escape(event[2])}", highlight=False, soft_wrap=True)
 
-    def update(self, study: Any) -> None:
-        trials = counted(study)
-        best = best_trial(study)
-        pruned = sum(t.user_attrs.get("status") == "pruned" for t in trials)
+    def update(self, t: _Tune) -> None:
+        trials = counted(t.study)
+        best = best_trial(t.study)
+        pruned = sum(trial.user_attrs.get("status") == "pruned" for trial in trials)
         info = f"best {best.value:.4f} (trial {best.number})" if best is not None else "best —"
         info += f", {pruned} pruned"
-        self.progress.update(self.overall, completed=len(trials), info=info)
+        self.progress.update(self.overalls[t], completed=len(trials), info=info)
 
-    def finished(self, outcome: TrialOutcome, study: Any) -> None:
-        if outcome.number in self.rows:
-            self.progress.remove_task(self.rows.pop(outcome.number))
-        metric = self.plan.settings.metric
+    def finished(self, t: _Tune, outcome: TrialOutcome) -> None:
+        key = (t.label, outcome.number)
+        if key in self.rows:
+            self.progress.remove_task(self.rows.pop(key))
+        name = escape(self.name(t, f"trial {outcome.number}"))
+        metric = t.plan.settings.metric
         if outcome.status == "finished":
-            text = f"[green]trial {outcome.number}[/]: {metric} {outcome.value:.4f}"
+            text = f"[green]{name}[/]: {metric} {outcome.value:.4f}"
         elif outcome.status == "pruned":
-            text = f"[yellow]trial {outcome.number}[/]: pruned after round {outcome.rounds_done}"
+            text = f"[yellow]{name}[/]: pruned after round {outcome.rounds_done}"
         else:
-            text = f"[red]trial {outcome.number} failed[/]: {escape(outcome.error or '')}"
-        trial = next((t for t in study.get_trials(deepcopy=False) if t.number == outcome.number), None)
+            text = f"[red]{name} failed[/]: {escape(outcome.error or '')}"
+        trial = next((tr for tr in t.study.get_trials(deepcopy=False) if tr.number == outcome.number), None)
         if trial is not None and trial.params:
             text += escape(" (" + ", ".join(f"{k}={value_text(v)}" for k, v in trial.params.items()) + ")")
         self.console.print(text, highlight=False, soft_wrap=True)
-        self.update(study)
+        self.update(t)
