@@ -33,7 +33,10 @@ def test_ray_simulation_matches_the_in_process_simulation(tiny_config, tmp_path)
             run={"rounds": 2, "name": name}, partition={"num_clients": 4}, algorithm={"name": "scaffold"}
         )
 
+    before = os.environ.get("PYTHONPATH")
     summary = run_ray_simulation(cfg("ray"), num_cpus=2, client_cpus=1.0)  # two Ray workers share the 4 nodes
+    # Flower sets PYTHONPATH for Ray's workers; left so, a later pip --python into a fresh env would install nothing
+    assert os.environ.get("PYTHONPATH") == before
     sim = Simulation(cfg("local"))
     sim.run()
     assert summary["status"] == "finished" and summary["rounds_done"] == 2

@@ -115,11 +115,18 @@ def install_from_index(python: Path, wheel: Path, tmp: Path) -> None:
     torch = f"torch=={Version(version('torch')).base_version}+cpu"
     # --no-compile: byte-compiling all of torch takes longer than installing it; Python compiles what is imported
     install = [*PIP, "--python", python, "install", "-q", "--no-compile"]
-    proc = subprocess.run([*install, torch], capture_output=True, text=True, cwd=tmp, timeout=900)
+    # without this process's PYTHONPATH: pip would count what it names as installed in the new environment
+    env = bare_environment()
+    proc = subprocess.run([*install, torch], capture_output=True, text=True, cwd=tmp, env=env, timeout=900)
     if proc.returncode and "No matching distribution found for torch" in proc.stderr:
         pytest.skip(f"no CPU build {torch} where pip looks (a plain torch==X would pull CUDA wheels)")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    call(*install, wheel, cwd=tmp, timeout=900)
+    call(*install, wheel, cwd=tmp, env=env, timeout=900)
+
+
+def bare_environment() -> dict[str, str]:
+    """This process's environment without what points Python at the test environment's packages."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
 
 
 def see_test_environment(python: Path, wheel: Path, tmp: Path) -> None:
@@ -156,7 +163,7 @@ def installed(request, tmp_path_factory) -> dict[str, Path]:
             (install_from_index if request.param == "index" else see_test_environment)(python, wheel, tmp)
             (tmp / "ready").touch()
 
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env = bare_environment()
     env.update(COLUMNS="200", OMP_NUM_THREADS="1", PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
     empty = tmp_path_factory.mktemp("empty")
     location = call(python, "-c", "import fedhet; print(fedhet.__file__)", cwd=empty, env=env).strip()

@@ -8,6 +8,7 @@ The ServerApp and ClientApp are the deployment ones; only the runtime differs. R
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -59,7 +60,7 @@ def run_ray_simulation(
     # absolute: Ray's workers need not share this process's working directory
     root = str(Path(node_state_dir or run_dir / "node_state").expanduser().resolve()) if node_state else None
     # Ray's helpers end with this process, even killed outright; after Ctrl-C, only fedhet's own line is printed
-    with warnings.catch_warnings(), reaped_on_death(), silent_after_ctrl_c(), orderly_ray_shutdown():
+    with warnings.catch_warnings(), reaped_on_death(), silent_after_ctrl_c(), orderly_ray_shutdown(), pythonpath_kept():
         # Ray's tip that a future release stops hiding GPUs from actors that ask for none: fedhet asks for
         # client_gpus explicitly, so the tip is noise on every run (the behaviour is left as Ray has it today).
         warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
@@ -78,6 +79,22 @@ def run_ray_simulation(
         finally:
             stop.set()
     return read_json(run_dir / "summary.json")
+
+
+@contextmanager
+def pythonpath_kept() -> Iterator[None]:
+    """This process's PYTHONPATH as it was before the body. Flower's Ray backend sets it to this process's sys.path
+    (for Ray's workers) and leaves it so: every process the caller started afterwards would see this environment's
+    packages, and a ``pip --python`` into a fresh environment would then find every requirement "already satisfied"
+    and install none. Ray's workers got their copy when Ray started."""
+    before = os.environ.get("PYTHONPATH")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 LIBRARIES = ("flwr", "ray")  # the loggers (and their children) silenced after Ctrl-C
