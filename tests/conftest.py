@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -11,6 +13,20 @@ def _few_threads():
     # CI has two cores; pinning threads keeps timings and reductions stable across machines.
     torch.set_num_threads(1)
     yield
+
+
+# What decides which packages a process this one starts imports: a test (or a library under it) that leaves one of
+# them changed breaks later tests in the same worker (Flower's Ray backend once left PYTHONPATH set to sys.path, and
+# the wheel test's install into a fresh environment then found everything "already satisfied" and installed nothing)
+IMPORT_ENVIRONMENT = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PATH")
+
+
+@pytest.fixture(autouse=True)
+def _import_environment_kept():
+    before = {key: os.environ.get(key) for key in IMPORT_ENVIRONMENT}
+    yield
+    changed = [key for key, value in before.items() if os.environ.get(key) != value]
+    assert not changed, f"the test left {', '.join(changed)} changed in os.environ"
 
 
 # FedBN's digit CNN, narrowed so a run on digits takes about a second: tiny_config's model for fedbn
