@@ -443,6 +443,21 @@ def test_pooled_tunes_share_the_workers_and_pruned_trials_count_the_rounds_they_
         tuner.raise_if_nothing(results[0])
 
 
+def test_a_tune_of_several_writes_its_outputs_when_its_own_last_trial_ends(tmp_path):
+    """A comparison's first tune is summed up while the next one's trials still run (tune.md readable, a kill then
+    loses nothing of it), and only then: not while a trial of its own is running."""
+    from fedhet.tuning.tuner import _Tune
+
+    p = plan(tmp_path, trials=2)
+    t = _Tune("fedprox", p, open_study(p.out_dir, p.base, p.space, p.settings, parallel=True), finished=1, running=1)
+    t.end_if_done()
+    assert t.result is None and not (p.out_dir / "tune.json").exists()
+    t.running, t.finished = 0, 2
+    t.end_if_done()
+    assert t.result is not None and t.result.study_name == "tune"
+    assert json.loads((p.out_dir / "tune.json").read_text())["study_name"] == "tune"
+
+
 def test_a_grid_sampler_suggests_distinct_grid_points(tmp_path):
     p = plan(tmp_path, space=["train.lr=choice:0.01,0.1"], trials=6, sampler="grid")
     study = open_study(p.out_dir, p.base, p.space, p.settings, parallel=False)

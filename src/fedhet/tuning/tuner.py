@@ -198,10 +198,17 @@ class _Tune:
     finished: int = 0
     running: int = 0
     rerun: list[int] = field(default_factory=list)  # trials a killed tune left running, queued again
+    result: TuneResult | None = None
 
     @property
     def to_start(self) -> int:
         return self.plan.settings.trials - self.finished - self.running
+
+    def end_if_done(self) -> None:
+        """Once its last trial has ended, its result and tune.json / tune.md (while the next tune's trials run)."""
+        if self.result is None and self.to_start <= 0 and not self.running:
+            self.result = summarise(self.study, self.plan)
+            write_outputs(self.result, self.plan)
 
 
 def tune_all(
@@ -215,7 +222,8 @@ def tune_all(
     """Several tunes (a comparison's variants, each labelled) on one pool of ``jobs`` worker processes: a free worker
     takes the next trial of the first tune with a trial still to start. So each tune runs as it would alone (as many
     trials at once as it has left, up to ``jobs``), and the next tune's trials take the workers the ones before it
-    cannot use. Each tune keeps its own folder, study and outputs; returns their results in order."""
+    cannot use. Each tune keeps its own folder, study and outputs (written when its last trial ends); returns their
+    results in order."""
     from fedhet.engine.rundir import usable_cores
 
     console = console or Console(stderr=True)
@@ -237,10 +245,9 @@ def tune_all(
                 _run_in_workers(tunes, min(jobs, todo), threads, display)
             elif todo:
                 _run_here(tunes, threads, display)
-        results = [summarise(t.study, t.plan) for t in tunes]
-    for result, t in zip(results, tunes, strict=True):
-        write_outputs(result, t.plan)
-    return results
+        for t in tunes:  # those that had nothing left to run
+            t.end_if_done()
+    return [t.result for t in tunes if t.result is not None]
 
 
 # ---------------------------------------------------------------------------------------------- asking and telling
@@ -296,6 +303,7 @@ def _run_here(tunes: list[_Tune], threads: int, display: TuneDisplay) -> None:
                 tell(t.study, trial, outcome)
                 t.finished += 1
                 display.finished(t, outcome)
+            t.end_if_done()
     finally:
         torch.set_num_threads(before)
 
@@ -344,6 +352,7 @@ def _run_in_workers(tunes: list[_Tune], workers: int, threads: int, display: Tun
         t.running -= 1
         t.finished += 1
         display.finished(t, outcome)
+        t.end_if_done()
 
     def read(slot: _Slot) -> bool:
         try:
