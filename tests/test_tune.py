@@ -458,6 +458,20 @@ def test_a_tune_of_several_writes_its_outputs_when_its_own_last_trial_ends(tmp_p
     assert json.loads((p.out_dir / "tune.json").read_text())["study_name"] == "tune"
 
 
+def test_a_tune_that_a_killed_comparison_finished_is_summed_up_before_the_next_one_runs(tmp_path, monkeypatch):
+    from fedhet.tuning import tuner
+
+    done, todo = plan(tmp_path / "a", trials=1), plan(tmp_path / "b", trials=1)
+    study = open_study(done.out_dir, done.base, done.space, done.settings, parallel=False)
+    trial = study.ask({"train.lr": optuna.distributions.FloatDistribution(1e-3, 0.3, log=True)})
+    trial.set_user_attr("status", "finished")
+    study.tell(trial, 0.5)
+    seen = []  # what the first tune's folder holds when the second tune's trials start
+    monkeypatch.setattr(tuner, "_run_here", lambda *a: seen.append((done.out_dir / "tune.json").exists()))
+    tuner.tune_all([("a", done), ("b", todo)], jobs=1)
+    assert seen == [True]
+
+
 def test_a_grid_sampler_suggests_distinct_grid_points(tmp_path):
     p = plan(tmp_path, space=["train.lr=choice:0.01,0.1"], trials=6, sampler="grid")
     study = open_study(p.out_dir, p.base, p.space, p.settings, parallel=False)

@@ -241,11 +241,12 @@ def tune_all(
         with TuneDisplay(console, tunes, enabled) as display:
             for t in tunes:
                 display.opened(t)
+                t.end_if_done()  # a tune a killed comparison finished: its summary now, not after the others
             if min(jobs, todo) > 1:
                 _run_in_workers(tunes, min(jobs, todo), threads, display)
             elif todo:
                 _run_here(tunes, threads, display)
-        for t in tunes:  # those that had nothing left to run
+        for t in tunes:  # each ended at its last trial (or at the start, with none to run): a no-op then
             t.end_if_done()
     return [t.result for t in tunes if t.result is not None]
 
