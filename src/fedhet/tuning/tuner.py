@@ -246,8 +246,7 @@ def tune_all(
                 _run_in_workers(tunes, min(jobs, todo), threads, display)
             elif todo:
                 _run_here(tunes, threads, display)
-        for t in tunes:  # each ended at its last trial (or at the start, with none to run): a no-op then
-            t.end_if_done()
+    # each tune ended at its last trial, or at the start when it had none to run
     return [t.result for t in tunes if t.result is not None]
 
 
