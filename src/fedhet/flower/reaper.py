@@ -9,7 +9,8 @@ it ends those that are still running (SIGTERM, then SIGKILL). A simulation that 
 tells the watcher, which then ends nothing: Ray has shut its processes down itself.
 
 The watcher runs as ``python -m fedhet.flower.reaper PID`` in a session of its own, so Ctrl-C in a terminal (meant
-for the simulation) does not reach it; it reads the simulation's death from its stdin reaching end of file.
+for the simulation) does not reach it; it reads the simulation's death from its stdin reaching end of file. The
+simulation starts once the watcher has said that it watches, so nothing it starts escapes the watcher's notice.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
 DONE = b"done\n"  # what a simulation that ended normally writes to the watcher
+WATCHING = b"watching\n"  # what the watcher writes once it lists the simulation's processes
 INTERVAL_S = 0.2  # how often the watcher lists the simulation's processes
 GRACE_S = 3.0  # how long a helper has to exit after SIGTERM before SIGKILL
 
@@ -37,10 +39,14 @@ def reaped_on_death() -> Iterator[None]:
     watcher = subprocess.Popen(
         [sys.executable, "-m", "fedhet.flower.reaper", str(os.getpid())],
         stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
+    # the body starts once the watcher watches (its Python start-up takes a second on a loaded machine): a process
+    # killed in that second would have left what it started running; end of file if the watcher failed to start
+    watcher.stdout.readline()
+    watcher.stdout.close()
     try:
         yield
     finally:
@@ -73,13 +79,16 @@ def watch(parent_pid: int) -> None:
 
     threading.Thread(target=read, daemon=True).start()
     seen: dict[int, psutil.Process] = {}
-    born = me.create_time()  # what was running under the parent before the watcher is not the simulation's
+    # what was running under the parent before the watcher is not the simulation's (a process is its pid and start
+    # time since boot, so no clock adjustment can make a new one look old)
+    before = set(_under(parent))
+    with suppress(OSError):  # the parent's read end is closed once it has read the line
+        sys.stdout.buffer.write(WATCHING)
+        sys.stdout.buffer.flush()
     while not ended.wait(INTERVAL_S):
-        with suppress(psutil.Error):
-            for child in parent.children(recursive=True):
-                with suppress(psutil.Error):
-                    if child.pid != me.pid and child.create_time() >= born:
-                        seen.setdefault(child.pid, child)
+        for child in _under(parent):
+            if child.pid != me.pid and child not in before:
+                seen.setdefault(child.pid, child)
     if said == [DONE]:
         return
     left = [p for p in seen.values() if p.is_running()]
@@ -90,6 +99,16 @@ def watch(parent_pid: int) -> None:
     for process in alive:
         with suppress(psutil.Error):
             process.kill()
+
+
+def _under(parent) -> list:
+    """The processes running under ``parent`` now (none once it is gone)."""
+    import psutil
+
+    try:
+        return parent.children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 if __name__ == "__main__":
