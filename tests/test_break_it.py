@@ -296,7 +296,7 @@ def start_simulation(tmp_path: Path, name: str, helpers: bool = False):
     under: list = []
     try:
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            assert proc.poll() is None and time.monotonic() < deadline, last_words(proc)
             time.sleep(0.2)
         under = psutil.Process(proc.pid).children(recursive=True)
         # The raylet starts its agents itself, and an agent takes its title only once it has set itself up: on a
@@ -311,6 +311,13 @@ def start_simulation(tmp_path: Path, name: str, helpers: bool = False):
         end_group(proc, under)
         raise
     return proc, out / name, under
+
+
+def last_words(proc) -> str:
+    """The end of what ``proc`` wrote to stderr, once its process group has ended (reading the pipe of a running one
+    would wait for it to end)."""
+    end_group(proc, [])
+    return proc.stderr.read()[-3000:]
 
 
 # What Ray starts under a simulation's process, each known by its command line: the raylet's program, or an agent's
