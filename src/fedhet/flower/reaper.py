@@ -66,7 +66,6 @@ def watch(parent_pid: int) -> None:
     system has reused since is never touched."""
     import psutil
 
-    me = psutil.Process()
     try:
         parent = psutil.Process(parent_pid)
     except psutil.NoSuchProcess:
@@ -79,15 +78,15 @@ def watch(parent_pid: int) -> None:
 
     threading.Thread(target=read, daemon=True).start()
     seen: dict[int, psutil.Process] = {}
-    # what was running under the parent before the watcher is not the simulation's (a process is its pid and start
-    # time since boot, so no clock adjustment can make a new one look old)
+    # what was running under the parent before the watcher (the watcher too) is not the simulation's (a process is its
+    # pid and start time since boot, so no clock adjustment can make a new one look old)
     before = set(_under(parent))
     with suppress(OSError):  # the parent's read end is closed once it has read the line
         sys.stdout.buffer.write(WATCHING)
         sys.stdout.buffer.flush()
     while not ended.wait(INTERVAL_S):
         for child in _under(parent):
-            if child.pid != me.pid and child not in before:
+            if child not in before:
                 seen.setdefault(child.pid, child)
     if said == [DONE]:
         return

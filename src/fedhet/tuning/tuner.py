@@ -246,8 +246,8 @@ def tune_all(
                 _run_in_workers(tunes, min(jobs, todo), threads, display)
             elif todo:
                 _run_here(tunes, threads, display)
-    # each tune ended at its last trial, or at the start when it had none to run
-    return [t.result for t in tunes if t.result is not None]
+    # every tune has ended by now, at its last trial or at the start when it had none to run: one result each
+    return [t.result for t in tunes]
 
 
 # ---------------------------------------------------------------------------------------------- asking and telling
